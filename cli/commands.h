@@ -1,0 +1,30 @@
+// cli/commands.h — the subcommands of the `exl3serve` binary. Each lives in its
+// own file (<name>_command.cc) and registers itself on the CLI11 app; main()
+// only parses, runs the chosen command and turns its Status into an exit code.
+#ifndef EXL3SERVE_CLI_COMMANDS_H_
+#define EXL3SERVE_CLI_COMMANDS_H_
+
+#include <functional>
+
+#include "absl/status/status.h"
+
+namespace CLI {
+class App;
+}
+
+namespace exl3serve::cli {
+
+// A registered command: set up its options on `app`, and return the function
+// that runs it once parsing has succeeded.
+using CommandRunner = std::function<absl::Status()>;
+
+CommandRunner RegisterDemoCommand(CLI::App& app);
+CommandRunner RegisterConvertCommand(CLI::App& app);
+CommandRunner RegisterInspectCommand(CLI::App& app);
+CommandRunner RegisterMakeTestModelCommand(CLI::App& app);
+CommandRunner RegisterBenchCommand(CLI::App& app);  // `bench gemv`
+CommandRunner RegisterTokenizeCommand(CLI::App& app);
+
+}  // namespace exl3serve::cli
+
+#endif  // EXL3SERVE_CLI_COMMANDS_H_

@@ -1,0 +1,54 @@
+// `exl3serve convert`: HF model directory -> EXL3 model directory.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_format.h"
+#include "cli/commands.h"
+#include "cli/report_table.h"
+#include "kernels/trellis_lut.h"
+#include "sharding/converter.h"
+
+namespace exl3serve::cli {
+
+CommandRunner RegisterConvertCommand(CLI::App& app) {
+  auto opt = std::make_shared<sharding::ConvertOptions>();
+  auto codebook = std::make_shared<std::string>("mul1");
+  auto out_scales = std::make_shared<std::string>("always");
+  app.add_option("--in", opt->in_dir, "Hugging Face model directory (safetensors)")->required();
+  app.add_option("--out", opt->out_dir, "output directory (empty or new)")->required();
+  app.add_option("--bits", opt->bits, "target bits per weight, 1..8 (fractional: mixed K)")
+      ->required();
+  app.add_option("--head-bits", opt->head_bits, "K of lm_head (1..8, 16 = keep fp16)")
+      ->capture_default_str();
+  app.add_option("--codebook", *codebook, "mul1 | mcg | 3inst")
+      ->check(CLI::IsMember({"mul1", "mcg", "3inst"}))
+      ->capture_default_str();
+  app.add_option("--out-scales", *out_scales, "always | never | auto (exl3-format.md 6.3)")
+      ->check(CLI::IsMember({"always", "never", "auto"}))
+      ->capture_default_str();
+  app.add_option("--threads", opt->threads, "worker threads (0 = all cores)")
+      ->capture_default_str();
+  auto shard_mib = std::make_shared<int64_t>(sharding::kDefaultShardSizeMiB);
+  app.add_option("--shard-size", *shard_mib, "maximum shard size in MiB")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_flag("--resume", opt->resume, "continue an interrupted conversion in --out");
+  app.add_flag("--no-progress", [opt](int64_t) { opt->show_progress = false; },
+               "no progress bar");
+  return [opt, codebook, out_scales, shard_mib]() -> absl::Status {
+    opt->max_shard_bytes = static_cast<uint64_t>(*shard_mib) << 20;
+    kernels::ParseCodebookName(*codebook, &opt->codebook);
+    opt->out_scales = *out_scales == "never"  ? sharding::OutScalesMode::kNever
+                      : *out_scales == "auto" ? sharding::OutScalesMode::kAuto
+                                              : sharding::OutScalesMode::kAlways;
+    absl::StatusOr<sharding::ConvertReport> report = sharding::ConvertModel(*opt);
+    if (!report.ok()) return report.status();
+    std::fputs(FormatConvertReport(*report).c_str(), stdout);
+    std::printf("wrote %s\n", opt->out_dir.c_str());
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace exl3serve::cli

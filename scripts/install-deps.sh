@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the Debian packages exl3serve builds and tests with. Idempotent: asks
+# apt only for what is missing. Needs root (or sudo) on Debian 12.
+set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3)
+PKGS=(build-essential cmake ninja-build pkg-config
+      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
+      libucx-dev ucx-utils nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
+      libyaml-cpp-dev libcli11-dev python3-numpy prometheus prometheus-cpp-dev iproute2
+      clang libclang-rt-14-dev
+      libopenblas-dev)  # optional: the dense baseline of tests/bench/trellis_gemv_bench
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO "${APT[@]}" update -qq
+  $SUDO "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi

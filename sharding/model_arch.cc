@@ -1,0 +1,238 @@
+#include "sharding/model_arch.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace exl3serve::sharding {
+namespace {
+
+enum class Family { kDense, kMixtral, kQwen3Moe };
+
+struct ArchEntry {
+  std::string_view name;
+  Family family;
+};
+
+constexpr ArchEntry kSupported[] = {
+    {"LlamaForCausalLM", Family::kDense},    {"MistralForCausalLM", Family::kDense},
+    {"Qwen2ForCausalLM", Family::kDense},    {"Qwen3ForCausalLM", Family::kDense},
+    {"MixtralForCausalLM", Family::kMixtral}, {"Qwen3MoeForCausalLM", Family::kQwen3Moe},
+};
+
+absl::StatusOr<int64_t> RequiredInt(const nlohmann::json& config, const char* key) {
+  auto it = config.find(key);
+  if (it == config.end() || !it->is_number_integer()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: `", key, "` must be an integer, ",
+                     it == config.end() ? std::string("it is missing") : "got " + it->dump()));
+  }
+  const int64_t value = it->get<int64_t>();
+  if (value <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: `", key, "` must be > 0, got ", value));
+  }
+  return value;
+}
+
+int64_t OptionalInt(const nlohmann::json& config, const char* key, int64_t fallback) {
+  auto it = config.find(key);
+  if (it == config.end() || !it->is_number_integer()) return fallback;
+  return it->get<int64_t>();
+}
+
+bool OptionalBool(const nlohmann::json& config, const char* key, bool fallback) {
+  auto it = config.find(key);
+  if (it == config.end() || !it->is_boolean()) return fallback;
+  return it->get<bool>();
+}
+
+}  // namespace
+
+const char* LinearRoleName(LinearRole role) {
+  switch (role) {
+    case LinearRole::kQ: return "q";
+    case LinearRole::kK: return "k";
+    case LinearRole::kV: return "v";
+    case LinearRole::kO: return "o";
+    case LinearRole::kGate: return "gate";
+    case LinearRole::kUp: return "up";
+    case LinearRole::kDown: return "down";
+    case LinearRole::kRouter: return "router";
+    case LinearRole::kHead: return "head";
+  }
+  return "?";
+}
+
+const LinearSpec* ModelArch::Find(int layer, LinearRole role, int expert) const {
+  for (const LinearSpec& spec : linears) {
+    if (spec.layer == layer && spec.role == role && spec.expert == expert) return &spec;
+  }
+  return nullptr;
+}
+
+const LinearSpec* ModelArch::FindByKey(std::string_view key) const {
+  for (const LinearSpec& spec : linears) {
+    if (spec.key == key) return &spec;
+  }
+  return nullptr;
+}
+
+absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
+  if (!config.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  ModelArch arch;
+  const ArchEntry* entry = nullptr;
+  auto archs = config.find("architectures");
+  if (archs != config.end() && archs->is_array()) {
+    for (const auto& name : *archs) {
+      if (!name.is_string()) continue;
+      for (const ArchEntry& e : kSupported) {
+        if (name.get<std::string>() == e.name) entry = &e;
+      }
+    }
+  }
+  if (entry == nullptr) {
+    std::vector<std::string> names;
+    for (const ArchEntry& e : kSupported) names.emplace_back(e.name);
+    return absl::UnimplementedError(absl::StrCat(
+        "config.json: `architectures` is ",
+        archs == config.end() ? std::string("missing") : archs->dump(), "; supported: ",
+        absl::StrJoin(names, ", ")));
+  }
+  arch.architecture = std::string(entry->name);
+
+  auto read = [&](const char* key, int64_t* out) -> absl::Status {
+    absl::StatusOr<int64_t> v = RequiredInt(config, key);
+    if (!v.ok()) return v.status();
+    *out = *v;
+    return absl::OkStatus();
+  };
+  int64_t layers = 0;
+  if (auto s = read("num_hidden_layers", &layers); !s.ok()) return s;
+  arch.num_layers = static_cast<int>(layers);
+  if (auto s = read("hidden_size", &arch.hidden_size); !s.ok()) return s;
+  if (auto s = read("vocab_size", &arch.vocab_size); !s.ok()) return s;
+  if (auto s = read("num_attention_heads", &arch.num_attention_heads); !s.ok()) return s;
+  arch.num_key_value_heads = OptionalInt(config, "num_key_value_heads", arch.num_attention_heads);
+  arch.head_dim = OptionalInt(config, "head_dim", arch.hidden_size / arch.num_attention_heads);
+  if (arch.num_key_value_heads <= 0 || arch.num_attention_heads % arch.num_key_value_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `num_attention_heads` (", arch.num_attention_heads,
+        ") must be a multiple of `num_key_value_heads` (", arch.num_key_value_heads, ")"));
+  }
+  if (arch.head_dim <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: `head_dim` must be > 0, got ", arch.head_dim));
+  }
+  arch.tie_word_embeddings = OptionalBool(config, "tie_word_embeddings", false);
+
+  std::set<int64_t> mlp_only_layers;
+  int64_t sparse_step = 1;
+  if (entry->family == Family::kMixtral) {
+    if (auto s = read("intermediate_size", &arch.moe_intermediate_size); !s.ok()) return s;
+    int64_t experts = 0, top_k = 0;
+    if (auto s = read("num_local_experts", &experts); !s.ok()) return s;
+    if (auto s = read("num_experts_per_tok", &top_k); !s.ok()) return s;
+    arch.num_experts = static_cast<int>(experts);
+    arch.num_experts_per_token = static_cast<int>(top_k);
+  } else if (entry->family == Family::kQwen3Moe) {
+    if (auto s = read("moe_intermediate_size", &arch.moe_intermediate_size); !s.ok()) return s;
+    arch.intermediate_size = OptionalInt(config, "intermediate_size", 0);
+    int64_t experts = 0, top_k = 0;
+    if (auto s = read("num_experts", &experts); !s.ok()) return s;
+    if (auto s = read("num_experts_per_tok", &top_k); !s.ok()) return s;
+    arch.num_experts = static_cast<int>(experts);
+    arch.num_experts_per_token = static_cast<int>(top_k);
+    sparse_step = OptionalInt(config, "decoder_sparse_step", 1);
+    if (sparse_step <= 0) sparse_step = 1;
+    if (auto it = config.find("mlp_only_layers"); it != config.end() && it->is_array()) {
+      for (const auto& v : *it) {
+        if (v.is_number_integer()) mlp_only_layers.insert(v.get<int64_t>());
+      }
+    }
+  } else {
+    if (auto s = read("intermediate_size", &arch.intermediate_size); !s.ok()) return s;
+  }
+  if (arch.num_experts > 0 &&
+      (arch.num_experts_per_token <= 0 || arch.num_experts_per_token > arch.num_experts)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `num_experts_per_tok` must be in [1, ", arch.num_experts, "], got ",
+        arch.num_experts_per_token));
+  }
+
+  const int64_t hidden = arch.hidden_size;
+  const int64_t q_out = arch.num_attention_heads * arch.head_dim;
+  const int64_t kv_out = arch.num_key_value_heads * arch.head_dim;
+  auto add = [&](std::string key, int layer, int expert, LinearRole role, int64_t in, int64_t out,
+                 std::string qgroup, int priority, std::string module_group) {
+    LinearSpec spec;
+    spec.key = std::move(key);
+    spec.layer = layer;
+    spec.expert = expert;
+    spec.role = role;
+    spec.in_features = in;
+    spec.out_features = out;
+    spec.qgroup = std::move(qgroup);
+    spec.priority = priority;
+    spec.module_group = std::move(module_group);
+    arch.linears.push_back(std::move(spec));
+  };
+
+  arch.layer_is_moe.assign(arch.num_layers, false);
+  for (int l = 0; l < arch.num_layers; ++l) {
+    const std::string layer = absl::StrCat("model.layers.", l);
+    const std::string attn = layer + ".self_attn";
+    // §6.7: q/k/v one group, o another, attention priority 2.
+    add(attn + ".q_proj", l, -1, LinearRole::kQ, hidden, q_out, attn + ".qkv", 2, attn);
+    add(attn + ".k_proj", l, -1, LinearRole::kK, hidden, kv_out, attn + ".qkv", 2, attn);
+    add(attn + ".v_proj", l, -1, LinearRole::kV, hidden, kv_out, attn + ".qkv", 2, attn);
+    add(attn + ".o_proj", l, -1, LinearRole::kO, q_out, hidden, attn + ".o", 2, attn);
+
+    bool moe = false;
+    if (entry->family == Family::kMixtral) {
+      moe = true;
+    } else if (entry->family == Family::kQwen3Moe) {
+      moe = mlp_only_layers.count(l) == 0 && (l + 1) % sparse_step == 0;
+    }
+    arch.layer_is_moe[l] = moe;
+    if (!moe) {
+      if (entry->family == Family::kQwen3Moe && arch.intermediate_size <= 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config.json: layer ", l, " is a dense MLP layer but `intermediate_size` is missing"));
+      }
+      const std::string mlp = layer + ".mlp";
+      const int64_t inter = arch.intermediate_size;
+      // §6.7: gate+up one group, down another, MLP priority 1.
+      add(mlp + ".gate_proj", l, -1, LinearRole::kGate, hidden, inter, mlp + ".gate_up", 1, mlp);
+      add(mlp + ".up_proj", l, -1, LinearRole::kUp, hidden, inter, mlp + ".gate_up", 1, mlp);
+      add(mlp + ".down_proj", l, -1, LinearRole::kDown, inter, hidden, mlp + ".down", 1, mlp);
+      continue;
+    }
+    const bool mixtral = entry->family == Family::kMixtral;
+    const std::string moe_block = layer + (mixtral ? ".block_sparse_moe" : ".mlp");
+    const int64_t inter = arch.moe_intermediate_size;
+    // The router stays fp16 and unpadded (§2.5).
+    add(moe_block + ".gate", l, -1, LinearRole::kRouter, hidden, arch.num_experts, "", 0,
+        moe_block);
+    arch.linears.back().quantized = false;
+    // §6.7: all experts' projections of one MoE layer form one group.
+    const std::string qgroup = moe_block + ".experts";
+    for (int e = 0; e < arch.num_experts; ++e) {
+      const std::string ex = absl::StrCat(moe_block, ".experts.", e);
+      add(ex + (mixtral ? ".w1" : ".gate_proj"), l, e, LinearRole::kGate, hidden, inter, qgroup,
+          1, moe_block);
+      add(ex + (mixtral ? ".w3" : ".up_proj"), l, e, LinearRole::kUp, hidden, inter, qgroup, 1,
+          moe_block);
+      add(ex + (mixtral ? ".w2" : ".down_proj"), l, e, LinearRole::kDown, inter, hidden, qgroup,
+          1, moe_block);
+    }
+  }
+  add("lm_head", -1, -1, LinearRole::kHead, hidden, arch.vocab_size, "lm_head", 0, "lm_head");
+  arch.linears.back().is_head = true;
+  return arch;
+}
+
+}  // namespace exl3serve::sharding

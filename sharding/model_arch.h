@@ -1,0 +1,76 @@
+// sharding/model_arch.h — what a decoder-only architecture looks like as a
+// list of linear layers, derived from a Hugging Face config.json.
+//
+// The converter uses it to know which tensors are linears to quantize (and in
+// which allocation group), the loader to query a model by (layer, role), and
+// the shard planner (later) to split them. Supported architectures: the ones
+// the runtime serves — LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM.
+//
+//   EXL3_ASSIGN_OR_RETURN(ModelArch arch, ModelArchFromConfig(config_json));
+//   for (const LinearSpec& l : arch.linears) { ... l.key, l.in_features ... }
+//
+// Dimensions here are the model's own (unpadded); EXL3 storage pads them to
+// multiples of 128 (exl3-format.md §2.4).
+#ifndef EXL3SERVE_SHARDING_MODEL_ARCH_H_
+#define EXL3SERVE_SHARDING_MODEL_ARCH_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace exl3serve::sharding {
+
+enum class LinearRole { kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead };
+
+const char* LinearRoleName(LinearRole role);
+
+struct LinearSpec {
+  std::string key;           // module key = weight name without ".weight"
+  int layer = -1;            // decoder layer; -1 for the head
+  int expert = -1;           // expert index for MoE expert projections, else -1
+  LinearRole role = LinearRole::kQ;
+  int64_t in_features = 0;   // unpadded
+  int64_t out_features = 0;  // unpadded
+  // False for linears exllamav3 never quantizes (MoE router): stored as an
+  // fp16 `weight` in HF orientation, unpadded (§2.5).
+  bool quantized = true;
+  bool is_head = false;       // uses head_bits, outside the bits budget (§6.7)
+  std::string qgroup;         // bit-allocation group (§6.7)
+  int priority = 0;           // higher is raised first (§6.7)
+  std::string module_group;   // unit of conversion/resume/sharding: "model.layers.3.self_attn"
+};
+
+struct ModelArch {
+  std::string architecture;  // e.g. "LlamaForCausalLM"
+  int num_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;      // dense MLP width
+  int64_t moe_intermediate_size = 0;  // per-expert width (MoE)
+  int64_t vocab_size = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;
+  int num_experts = 0;           // 0 for dense models
+  int num_experts_per_token = 0;
+  bool tie_word_embeddings = false;
+  std::vector<bool> layer_is_moe;       // per layer
+  std::vector<LinearSpec> linears;      // layer order, head last
+
+  // nullptr when absent.
+  const LinearSpec* Find(int layer, LinearRole role, int expert = -1) const;
+  const LinearSpec* FindByKey(std::string_view key) const;
+};
+
+// Builds the description from a parsed config.json. Errors:
+//   Unimplemented   — `architectures` names none of the supported ones;
+//   InvalidArgument — a required key is missing or has a bad value (named).
+absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config);
+
+}  // namespace exl3serve::sharding
+
+#endif  // EXL3SERVE_SHARDING_MODEL_ARCH_H_

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The main job on its built-in default (README's first command runs exactly
+# this binary with no arguments): it must finish and print the table.
+set -euo pipefail
+BIN=$1
+OUT=$(mktemp)
+trap 'rm -f "$OUT"' EXIT
+"$BIN" --log-level warning >"$OUT" 2>&1 || { cat "$OUT"; exit 1; }
+grep -q "model.layers.1.mlp.down_proj" "$OUT" || { cat "$OUT"; echo "FAIL: no table"; exit 1; }
+grep -q "EXL3 linears decode" "$OUT" || { cat "$OUT"; echo "FAIL: no reload"; exit 1; }
+echo "demo: OK"

@@ -1,0 +1,315 @@
+// kernels/trellis_gemm.h: every CPU variant against the scalar reference,
+// kernels::ReferenceForward and a float64 dense product; thread-count
+// invariance; the kInt8 path's error; argument errors.
+#include "kernels/trellis_gemm.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/reconstruct.h"
+#include "kernels/trellis_lut.h"
+
+namespace exl3serve::kernels {
+namespace {
+
+// Tolerances, per output divided by ||x_i ⊙ suh||_2 · |svh[c]| (the natural
+// size of y' = x'·W_h after the orthogonal B_n, scaled by svh), as in
+// reconstruct_test.cc.
+// fp32 vs float64 or vs another fp32 accumulation order: k ≤ 512 terms of
+// |w| < 4, fp32 butterflies on both sides; observed worst ~3e-6.
+constexpr double kFloatTol = 3e-5;
+// kInt8 vs kFloat: int8 activations (step max|x'|/127 per row) and mul1
+// without its fp16 rounding; RMS over all outputs relative to the RMS of the
+// normalisation above (0.8-0.9 % of the output RMS on 4096-wide Gaussian x).
+constexpr double kInt8RmsTol = 2.5e-2;
+
+uint32_t TestSeed() {
+  const int seed = ::testing::UnitTest::GetInstance()->random_seed();
+  return seed == 0 ? 20250713u : static_cast<uint32_t>(seed);
+}
+
+using GemmFn = absl::Status (*)(const Exl3LinearView&, const float*, int64_t, float*,
+                                const TrellisGemmOptions&);
+
+struct Variant {
+  const char* name;
+  cpu::CpuIsa isa;
+  GemmFn fn;
+};
+const Variant kVariants[] = {
+    {"scalar", cpu::CpuIsa::kScalar, &cpu::scalar::TrellisGemm},
+    {"avx2", cpu::CpuIsa::kAvx2, &cpu::avx2::TrellisGemm},
+    {"avx512", cpu::CpuIsa::kAvx512, &cpu::avx512::TrellisGemm},
+};
+const Codebook kCodebooks[] = {Codebook::k3Inst, Codebook::kMcg, Codebook::kMul1};
+
+Exl3LinearData RandomLinear(std::mt19937& rng, int64_t k, int64_t n, int bits, Codebook cb,
+                            bool with_bias) {
+  Exl3LinearData d;
+  d.k = k;
+  d.n = n;
+  d.bits = bits;
+  d.codebook = cb;
+  d.trellis.resize(static_cast<size_t>(k / 16 * n / 16 * 16 * bits));
+  std::uniform_int_distribution<int> word(0, 65535);
+  for (auto& v : d.trellis) v = static_cast<uint16_t>(word(rng));  // any bits are a valid tile
+  std::uniform_real_distribution<float> mag(0.05f, 2.0f);
+  std::bernoulli_distribution neg(0.5);
+  auto scales = [&](int64_t size) {
+    std::vector<float> v(static_cast<size_t>(size));
+    for (auto& s : v) s = neg(rng) ? -mag(rng) : mag(rng);
+    if (size > 3) v[3] = 0.0f;  // an all-zero channel (§10)
+    return v;
+  };
+  d.suh = scales(k);
+  d.svh = scales(n);
+  if (with_bias) {
+    std::normal_distribution<float> b(0.0f, 1.0f);
+    d.bias.resize(static_cast<size_t>(n));
+    for (auto& v : d.bias) v = b(rng);
+  }
+  return d;
+}
+
+std::vector<float> RandomInput(std::mt19937& rng, int64_t m, int64_t k) {
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> x(static_cast<size_t>(m * k));
+  for (auto& v : x) v = g(rng);
+  return x;
+}
+
+std::vector<float> RunGemm(GemmFn fn, const Exl3LinearView& view, const std::vector<float>& x,
+                       int64_t m, TrellisGemmOptions options = {}) {
+  std::vector<float> y(static_cast<size_t>(m * view.n), std::numeric_limits<float>::quiet_NaN());
+  const absl::Status s = fn(view, x.data(), m, y.data(), options);
+  EXPECT_TRUE(s.ok()) << s;
+  return y;
+}
+
+// Per-output normaliser ||x_i ⊙ suh||_2 · |svh[c]| (+1 so zero channels still
+// compare against an absolute bound).
+double Norm(const Exl3LinearView& view, const std::vector<float>& x, int64_t i, int64_t c) {
+  double s = 0;
+  for (int64_t r = 0; r < view.k; ++r) {
+    const double v = double(x[i * view.k + r]) * view.suh[r];
+    s += v * v;
+  }
+  return std::sqrt(s) * std::fabs(view.svh[c]) + 1e-3;
+}
+
+void ExpectClose(const Exl3LinearView& view, const std::vector<float>& x, int64_t m,
+                 const std::vector<float>& got, const std::vector<float>& want, double tol,
+                 const std::string& what) {
+  double worst = 0;
+  int64_t worst_at = -1;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < view.n; ++c) {
+      const double g = got[i * view.n + c];
+      const double w = want[i * view.n + c];
+      const double bias = view.bias ? std::fabs(view.bias[c]) * 2e-7 : 0.0;
+      const double err = std::isfinite(g) ? std::fabs(g - w) / (Norm(view, x, i, c) + bias) : 1e30;
+      if (err > worst) {
+        worst = err;
+        worst_at = i * view.n + c;
+      }
+    }
+  }
+  EXPECT_LE(worst, tol) << what << ": worst relative error at flat index " << worst_at
+                        << " (got " << got[worst_at] << ", want " << want[worst_at]
+                        << "), seed " << TestSeed();
+}
+
+std::vector<float> DenseFloat64(const Exl3LinearView& view, const std::vector<float>& x,
+                                int64_t m) {
+  std::vector<double> w(static_cast<size_t>(view.k * view.n));
+  EXPECT_TRUE(ReconstructEffectiveWeight(view, w.data()).ok());
+  std::vector<float> y(static_cast<size_t>(m * view.n));
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < view.n; ++c) {
+      double s = view.bias ? view.bias[c] : 0.0;
+      for (int64_t r = 0; r < view.k; ++r) s += double(x[i * view.k + r]) * w[r * view.n + c];
+      y[i * view.n + c] = static_cast<float>(s);
+    }
+  }
+  return y;
+}
+
+struct Shape {
+  int64_t k, n;
+};
+const Shape kShapes[] = {{128, 128}, {256, 384}, {384, 128}};
+const int64_t kRowCounts[] = {1, 3, 5, 17, 33, 130};
+
+TEST(TrellisGemmTest, ScalarMatchesReferenceForwardAndFloat64) {
+  std::mt19937 rng(TestSeed());
+  for (Codebook cb : kCodebooks) {
+    for (int bits = 1; bits <= 8; ++bits) {
+      const Shape shape = kShapes[bits % 3];
+      const Exl3LinearData d = RandomLinear(rng, shape.k, shape.n, bits, cb, bits % 2 == 0);
+      const Exl3LinearView view = d.view();
+      const int64_t m = kRowCounts[bits % 6];
+      const std::vector<float> x = RandomInput(rng, m, shape.k);
+      const std::vector<float> got = RunGemm(&cpu::scalar::TrellisGemm, view, x, m);
+      std::vector<float> ref(static_cast<size_t>(m * shape.n));
+      ASSERT_TRUE(ReferenceForward(view, x.data(), m, ref.data()).ok());
+      const std::string what = std::string(CodebookName(cb)) + " K=" + std::to_string(bits) +
+                               " m=" + std::to_string(m);
+      ExpectClose(view, x, m, got, ref, kFloatTol, what + " vs ReferenceForward");
+      ExpectClose(view, x, m, got, DenseFloat64(view, x, m), kFloatTol, what + " vs float64");
+    }
+  }
+}
+
+TEST(TrellisGemmTest, EverySimdVariantMatchesScalar) {
+  for (const Variant& v : kVariants) {
+    if (v.isa == cpu::CpuIsa::kScalar) continue;
+    if (!cpu::CpuSupportsIsa(v.isa)) {
+      std::printf("[  SKIPPED ] %s: this CPU lacks it\n", v.name);
+      continue;
+    }
+    std::mt19937 rng(TestSeed());
+    for (Codebook cb : kCodebooks) {
+      for (int bits = 1; bits <= 8; ++bits) {
+        for (const Shape& shape : kShapes) {
+          const Exl3LinearData d = RandomLinear(rng, shape.k, shape.n, bits, cb, true);
+          const Exl3LinearView view = d.view();
+          for (int64_t m : kRowCounts) {
+            const std::vector<float> x = RandomInput(rng, m, shape.k);
+            const std::vector<float> want = RunGemm(&cpu::scalar::TrellisGemm, view, x, m);
+            const std::vector<float> got = RunGemm(v.fn, view, x, m);
+            ExpectClose(view, x, m, got, want, kFloatTol,
+                        std::string(v.name) + " " + CodebookName(cb) + " K=" +
+                            std::to_string(bits) + " " + std::to_string(shape.k) + "x" +
+                            std::to_string(shape.n) + " m=" + std::to_string(m));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(TrellisGemmTest, ResultsAreBitIdenticalForAnyThreadCount) {
+  std::mt19937 rng(TestSeed());
+  const Exl3LinearData d = RandomLinear(rng, 256, 1024, 3, Codebook::kMul1, true);
+  const Exl3LinearView view = d.view();
+  for (const Variant& v : kVariants) {
+    if (!cpu::CpuSupportsIsa(v.isa)) continue;
+    for (int64_t m : {1, 5, 17, 130}) {
+      const std::vector<float> x = RandomInput(rng, m, view.k);
+      for (TrellisGemmPrecision p : {TrellisGemmPrecision::kFloat, TrellisGemmPrecision::kInt8}) {
+        TrellisGemmOptions one;
+        one.max_threads = 1;
+        one.precision = p;
+        TrellisGemmOptions all;
+        all.precision = p;
+        TrellisGemmOptions two = all;
+        two.max_threads = 2;
+        const std::vector<float> a = RunGemm(v.fn, view, x, m, one);
+        const std::vector<float> b = RunGemm(v.fn, view, x, m, two);
+        const std::vector<float> c = RunGemm(v.fn, view, x, m, all);
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)))
+            << v.name << " m=" << m << " precision " << int(p);
+        EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * sizeof(float)))
+            << v.name << " m=" << m << " precision " << int(p);
+      }
+    }
+  }
+}
+
+TEST(TrellisGemmTest, Int8PathIsCloseToFloatAndIdenticalAcrossVariants) {
+  std::mt19937 rng(TestSeed());
+  for (int bits : {1, 2, 3, 4, 5, 8}) {
+    const Exl3LinearData d = RandomLinear(rng, 384, 256, bits, Codebook::kMul1, false);
+    const Exl3LinearView view = d.view();
+    for (int64_t m : {1, 3, 17}) {
+      const std::vector<float> x = RandomInput(rng, m, view.k);
+      TrellisGemmOptions int8;
+      int8.precision = TrellisGemmPrecision::kInt8;
+      const std::vector<float> fp = RunGemm(&cpu::scalar::TrellisGemm, view, x, m);
+      const std::vector<float> ref = RunGemm(&cpu::scalar::TrellisGemm, view, x, m, int8);
+      double err2 = 0, norm2 = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t c = 0; c < view.n; ++c) {
+          const double e = double(ref[i * view.n + c]) - fp[i * view.n + c];
+          err2 += e * e;
+          const double nn = Norm(view, x, i, c);
+          norm2 += nn * nn;
+        }
+      }
+      EXPECT_LE(std::sqrt(err2 / norm2), kInt8RmsTol) << "K=" << bits << " m=" << m;
+      for (const Variant& v : kVariants) {
+        if (v.isa == cpu::CpuIsa::kScalar || !cpu::CpuSupportsIsa(v.isa)) continue;
+        const std::vector<float> got = RunGemm(v.fn, view, x, m, int8);
+        EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)))
+            << v.name << " K=" << bits << " m=" << m;
+      }
+    }
+  }
+}
+
+TEST(TrellisGemmTest, EmptyInnerDimensionGivesBias) {
+  std::mt19937 rng(TestSeed());
+  const Exl3LinearData d = RandomLinear(rng, 0, 128, 2, Codebook::kMcg, true);
+  for (const Variant& v : kVariants) {
+    if (!cpu::CpuSupportsIsa(v.isa)) continue;
+    const std::vector<float> y = RunGemm(v.fn, d.view(), {}, 2);
+    for (int64_t i = 0; i < 2 * 128; ++i) EXPECT_EQ(y[i], d.bias[i % 128]) << v.name;
+  }
+}
+
+TEST(TrellisGemmTest, RejectsBadArgumentsWithoutTouchingY) {
+  std::mt19937 rng(TestSeed());
+  const Exl3LinearData d = RandomLinear(rng, 128, 128, 2, Codebook::kMcg, false);
+  std::vector<float> x(128), y(128, 7.0f);
+  EXPECT_EQ(TrellisGemm(d.view(), x.data(), -1, y.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TrellisGemm(d.view(), nullptr, 1, y.data()).code(),
+            absl::StatusCode::kInvalidArgument);
+  TrellisGemmOptions int8;
+  int8.precision = TrellisGemmPrecision::kInt8;
+  EXPECT_EQ(TrellisGemm(d.view(), x.data(), 1, y.data(), int8).code(),
+            absl::StatusCode::kInvalidArgument);
+  Exl3LinearView bad = d.view();
+  bad.bits = 9;
+  EXPECT_EQ(TrellisGemm(bad, x.data(), 1, y.data()).code(), absl::StatusCode::kInvalidArgument);
+  for (float v : y) EXPECT_EQ(v, 7.0f);
+}
+
+TEST(TrellisGemmTest, DispatcherFollowsTheIsaOverride) {
+  std::mt19937 rng(TestSeed());
+  const Exl3LinearData d = RandomLinear(rng, 256, 256, 4, Codebook::k3Inst, true);
+  const std::vector<float> x = RandomInput(rng, 3, 256);
+  for (const Variant& v : kVariants) {
+    if (!cpu::CpuSupportsIsa(v.isa)) {
+      GTEST_LOG_(INFO) << "skipping " << v.name << ": this CPU lacks it";
+      continue;
+    }
+    ASSERT_TRUE(cpu::SetCpuIsaOverride(v.isa).ok());
+    const std::vector<float> via_dispatch = RunGemm(&TrellisGemm, d.view(), x, 3);
+    const std::vector<float> direct = RunGemm(v.fn, d.view(), x, 3);
+    EXPECT_EQ(0, std::memcmp(via_dispatch.data(), direct.data(), direct.size() * sizeof(float)))
+        << v.name;
+  }
+  ASSERT_TRUE(cpu::SetCpuIsaOverride(std::nullopt).ok());
+}
+
+TEST(TrellisGemmTest, Avx512VariantRunsWhenAvailable) {
+  if (!cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512 F/BW/VL/DQ";
+  SUCCEED();
+}
+
+TEST(TrellisGemmTest, Avx2VariantRunsWhenAvailable) {
+  if (!cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx2)) GTEST_SKIP() << "this CPU lacks AVX2+FMA+F16C+BMI2";
+  SUCCEED();
+}
+
+}  // namespace
+}  // namespace exl3serve::kernels

@@ -1,0 +1,105 @@
+// ModelArchFromConfig: the linears each supported architecture defines.
+#include "sharding/model_arch.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace exl3serve::sharding {
+namespace {
+
+using ::testing::HasSubstr;
+
+nlohmann::json DenseConfig(const char* arch) {
+  return {{"architectures", {arch}}, {"hidden_size", 512},       {"intermediate_size", 1376},
+          {"num_hidden_layers", 3},  {"num_attention_heads", 8}, {"num_key_value_heads", 2},
+          {"vocab_size", 32000}};
+}
+
+TEST(ModelArchTest, LlamaHasSevenLinearsPerLayerPlusHead) {
+  auto arch = ModelArchFromConfig(DenseConfig("LlamaForCausalLM"));
+  ASSERT_TRUE(arch.ok()) << arch.status();
+  EXPECT_EQ(arch->linears.size(), 3u * 7 + 1);
+  const LinearSpec* k = arch->Find(1, LinearRole::kK);
+  ASSERT_NE(k, nullptr);
+  EXPECT_EQ(k->key, "model.layers.1.self_attn.k_proj");
+  EXPECT_EQ(k->in_features, 512);
+  EXPECT_EQ(k->out_features, 2 * 64);
+  EXPECT_EQ(k->qgroup, arch->Find(1, LinearRole::kQ)->qgroup);
+  EXPECT_NE(k->qgroup, arch->Find(1, LinearRole::kO)->qgroup);
+  const LinearSpec* down = arch->Find(2, LinearRole::kDown);
+  ASSERT_NE(down, nullptr);
+  EXPECT_EQ(down->in_features, 1376);
+  EXPECT_EQ(down->out_features, 512);
+  EXPECT_GT(arch->Find(0, LinearRole::kQ)->priority, down->priority);
+  const LinearSpec* head = arch->Find(-1, LinearRole::kHead);
+  ASSERT_NE(head, nullptr);
+  EXPECT_TRUE(head->is_head);
+  EXPECT_EQ(head->out_features, 32000);
+}
+
+TEST(ModelArchTest, Qwen3UsesExplicitHeadDim) {
+  auto config = DenseConfig("Qwen3ForCausalLM");
+  config["head_dim"] = 128;
+  auto arch = ModelArchFromConfig(config);
+  ASSERT_TRUE(arch.ok());
+  EXPECT_EQ(arch->Find(0, LinearRole::kQ)->out_features, 8 * 128);
+  EXPECT_EQ(arch->Find(0, LinearRole::kO)->in_features, 8 * 128);
+}
+
+TEST(ModelArchTest, MixtralExpertsUseW1W2W3AndAnUnquantizedRouter) {
+  auto config = DenseConfig("MixtralForCausalLM");
+  config["num_local_experts"] = 4;
+  config["num_experts_per_tok"] = 2;
+  auto arch = ModelArchFromConfig(config);
+  ASSERT_TRUE(arch.ok()) << arch.status();
+  const LinearSpec* router = arch->Find(0, LinearRole::kRouter);
+  ASSERT_NE(router, nullptr);
+  EXPECT_EQ(router->key, "model.layers.0.block_sparse_moe.gate");
+  EXPECT_FALSE(router->quantized);
+  EXPECT_EQ(router->out_features, 4);
+  EXPECT_EQ(arch->Find(0, LinearRole::kGate, 3)->key, "model.layers.0.block_sparse_moe.experts.3.w1");
+  EXPECT_EQ(arch->Find(0, LinearRole::kDown, 3)->key, "model.layers.0.block_sparse_moe.experts.3.w2");
+  EXPECT_EQ(arch->Find(0, LinearRole::kUp, 3)->key, "model.layers.0.block_sparse_moe.experts.3.w3");
+  EXPECT_EQ(arch->Find(0, LinearRole::kGate, 0)->qgroup, arch->Find(0, LinearRole::kDown, 2)->qgroup);
+}
+
+TEST(ModelArchTest, Qwen3MoeHonoursMlpOnlyLayers) {
+  auto config = DenseConfig("Qwen3MoeForCausalLM");
+  config["num_experts"] = 8;
+  config["num_experts_per_tok"] = 2;
+  config["moe_intermediate_size"] = 256;
+  config["mlp_only_layers"] = {1};
+  auto arch = ModelArchFromConfig(config);
+  ASSERT_TRUE(arch.ok()) << arch.status();
+  EXPECT_TRUE(arch->layer_is_moe[0]);
+  EXPECT_FALSE(arch->layer_is_moe[1]);
+  EXPECT_NE(arch->Find(1, LinearRole::kGate), nullptr);
+  EXPECT_EQ(arch->Find(1, LinearRole::kGate, 0), nullptr);
+  EXPECT_EQ(arch->Find(2, LinearRole::kDown, 7)->key, "model.layers.2.mlp.experts.7.down_proj");
+  EXPECT_EQ(arch->Find(2, LinearRole::kDown, 7)->in_features, 256);
+}
+
+TEST(ModelArchTest, UnknownArchitectureIsUnimplementedAndListsSupported) {
+  auto arch = ModelArchFromConfig(DenseConfig("GPT2LMHeadModel"));
+  ASSERT_FALSE(arch.ok());
+  EXPECT_EQ(arch.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(arch.status().message()), HasSubstr("Qwen3MoeForCausalLM"));
+}
+
+TEST(ModelArchTest, MissingOrBadKeysNameTheKey) {
+  auto config = DenseConfig("LlamaForCausalLM");
+  config.erase("hidden_size");
+  auto arch = ModelArchFromConfig(config);
+  ASSERT_FALSE(arch.ok());
+  EXPECT_EQ(arch.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(arch.status().message()), HasSubstr("`hidden_size`"));
+  config = DenseConfig("LlamaForCausalLM");
+  config["num_key_value_heads"] = 3;
+  arch = ModelArchFromConfig(config);
+  ASSERT_FALSE(arch.ok());
+  EXPECT_THAT(std::string(arch.status().message()), HasSubstr("num_key_value_heads"));
+}
+
+}  // namespace
+}  // namespace exl3serve::sharding
