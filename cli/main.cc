@@ -35,6 +35,8 @@ int main(int argc, char** argv) {
       "write a small random Hugging Face-format model (for tests and demos)");
   add(exl3serve::cli::RegisterBenchCommand, "bench",
       "micro-benchmarks (gemv: one TrellisGemm configuration, one line of output)");
+  add(exl3serve::cli::RegisterTokenizeCommand, "tokenize",
+      "encode text to token ids (JSON array) or decode ids to text with a model's tokenizer.json");
   app.require_subcommand(0, 1);
 
   try {

@@ -7,7 +7,7 @@ APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3)
 PKGS=(build-essential cmake ninja-build pkg-config
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       libucx-dev ucx-utils nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libyaml-cpp-dev libcli11-dev python3-numpy prometheus prometheus-cpp-dev iproute2
+      libyaml-cpp-dev libcli11-dev libicu-dev python3-numpy prometheus prometheus-cpp-dev iproute2
       clang libclang-rt-14-dev
       libopenblas-dev)  # optional: the dense baseline of tests/bench/trellis_gemv_bench
 missing=()
@@ -20,4 +20,12 @@ if ((${#missing[@]})); then
   echo "install-deps: installing ${missing[*]}"
   $SUDO "${APT[@]}" update -qq
   $SUDO "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+# Node.js + npm run the reference tokenizer (Hugging Face's tokenizers) in the
+# tests; the image usually ships them, Debian's packages otherwise.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO "${APT[@]}" update -qq
+  $SUDO "${APT[@]}" install -y -qq --no-install-recommends nodejs npm >/dev/null
 fi

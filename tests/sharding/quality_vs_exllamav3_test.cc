@@ -41,7 +41,8 @@ struct Case {
 std::vector<Case> Cases() {
   std::vector<Case> cases;
   const fs::path root = fs::path(EXL3_SHARED_DIR) / "testdata" / "exl3";
-  for (const auto& set : fs::directory_iterator(root)) {
+  std::error_code ec;  // a missing shared/ is reported by testvectors_test
+  for (const auto& set : fs::directory_iterator(root, ec)) {
     const fs::path index = set.path() / "index.json";
     if (!fs::exists(index)) continue;
     auto json = ReadJsonFile(index.string());
