@@ -10,17 +10,18 @@
 // activation pattern of a row of tiles is two zmm (x_pos) shared by all eight
 // groups p and all tiles of that row; the accumulator of group p is reduced
 // to its two columns once, after the last row of tiles.
-//   Per 16 weights (K <= 4; uops on Intel, zmm):
-//     window:  2 vpermi2d (p5) + vpsllvd + vpsrlvd + vpord + vpsrld   6
-//     mul1:    vpmulld (2) + vpdpbusd (1) + vcvtdq2ps + vfmadd        5
-//              fp16 RNE of the weight: vcvtps2ph + vcvtph2ps (2+2)     4
+//   Per 16 weights (any K; uops on Intel, zmm; the full breakdown sits at
+//   each inner loop below):
+//     window:  vpermi2d (p5) + vpsrlvd (p0) + vpandd                  3
+//              (+ (K+1)/16 per vector to build the tile's H registers)
+//     mul1 fp32: vpmulld (2) + vpdpbusd into a 2^23 bias (1) + FMA +
+//              Veltkamp RNE to fp16 precision (3)                      7
 //     3inst/mcg: vpmulld (2) [+ vpaddd] + vpternlogd + 2x(vpmovdw 2 +
-//              vcvtph2ps 2) [+ vpsrld] + vaddps + 4 (RNE)             ~15
+//              vcvtph2ps 2) [+ vpsrld] + vaddps + RNE 4 (cvt pair)   ~18
 //     product: 1 vfmadd per activation row (x_pos as memory operand)   1
-//   => mul1 about 16 uops / 16 weights at m = 1 (~2 weights per cycle on
-//   two vector ports); K = 5..8 add 2 permutes and a blend per vector.
-//   kInt8 (mul1): window 6 + vpmulld 2 + vpdpbusd against the replicated
-//   int8 activation 1 = 9 uops / 16 weights, no conversion at all.
+//   => mul1 fp32 11 uops / 16 weights at m = 1 (was ~16).
+//   kInt8 (mul1): window 3 + vpmulld 2 + vpdpbusd against the replicated
+//   int8 activation 1 = 6 uops / 16 weights (was 9), 4 of them on p0.
 //
 // Tile GEMM (m large): decode KC rows x 128 columns of W_h once into an
 // L1/L2-resident fp32 panel buffer (same decode as above, then a scalar
@@ -36,7 +37,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <cstdlib>
 #include <memory>
+#include <utility>
 
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/trellis_gemm_internal.h"
@@ -59,82 +62,105 @@ constexpr int kGemmPanel = 64;                // columns per micro-kernel panel
 constexpr int kGemmMr = 6;                    // rows per micro-kernel call
 constexpr int kPrefetchTiles = 4;             // GEMV: prefetch this many rows of tiles ahead
 
-// Window tables of one K (§3.4): for vector v (positions 16v .. 16v+15) the
-// tile words holding the start of each 16-bit window (idx0, wrapped mod 8K)
-// and the next one (idx1), and the bit offset o of the window in idx0's word.
-// state = ((w[idx0] << o) | (w[idx1] >> (32 - o))) >> 16.
-struct alignas(64) WindowTable {
-  int32_t idx0[kVectors][16];
-  int32_t idx1[kVectors][16];
-  int32_t shl[kVectors][16];
-  int32_t shr[kVectors][16];
+// State windows (§3.3-3.4), "half-word stream" form. Let u_q be the q-th
+// 16-bit unit of the tile's bit stream (MSB first) and h_q = (u_q << 16) |
+// u_{q+1} (indices mod 16K) the 32 stream bits starting at bit 16q. The
+// window of position i starts at bit b = (i+1)K - 16 (mod 256K), inside h_q
+// for q = b >> 4 at offset o = b & 15, so
+//   state_i = (h_q >> (16 - o)) & 0xFFFF.
+// The K zmm H_r = h[16r .. 16r+15] are built once per tile (K masked loads,
+// K-1 vpermw + 1 vpermt2w: ~K+1 uops per 256 weights). A vector of 16
+// consecutive positions needs only h[vK-1 .. vK+K-1] (K+1 <= 16 entries), all
+// inside the register pair (H_r, H_r+1), r = (vK-1) >> 4 (v = 0 wraps to
+// (H_K-1, H_0)), so one vpermi2d picks every lane's h_q; the offset o depends
+// only on the lane, not on v. Per 16 states: vpermi2d (p5) + vpsrlvd (p0) +
+// vpandd (p05) = 3 uops (was 2 vpermi2d + 2 variable shifts + or + shift).
+template <int K>
+struct WindowTables {
+  alignas(64) int16_t build_a[32];  // H_r from the loaded units (single source)
+  alignas(64) int16_t build_b[32];  // last H_r: units 16K, 16K+1 wrap to 0, 1
+  alignas(64) int32_t pick[kVectors][16];
+  alignas(64) int32_t shift[16];
+  static constexpr int PairLo(int v) { return v == 0 ? K - 1 : (v * K - 1) >> 4; }
+  static constexpr int PairHi(int v) { return (PairLo(v) + 1) % K; }
 };
 
-WindowTable MakeWindowTable(int bits) {
-  WindowTable t;
-  const int words = 8 * bits;
+template <int K>
+WindowTables<K> MakeWindowTables() {
+  WindowTables<K> t;
+  // Raw tile element e (int16) holds stream unit e ^ 1 (§3.4: low half first).
+  // Lane word 2q' (low half of h_q') = u_{q'+1}, word 2q'+1 (high) = u_q'.
+  for (int lane = 0; lane < 16; ++lane) {
+    const int q = lane;  // relative to 16r
+    const int lo = (q + 1) ^ 1, hi = q ^ 1;  // element offsets from 16r
+    t.build_a[2 * lane] = static_cast<int16_t>(lo);
+    t.build_a[2 * lane + 1] = static_cast<int16_t>(hi);
+    t.build_b[2 * lane] = static_cast<int16_t>(lo < 16 ? lo : 32 + lo - 16);
+    t.build_b[2 * lane + 1] = static_cast<int16_t>(hi < 16 ? hi : 32 + hi - 16);
+  }
   for (int i = 0; i < kTileWeights; ++i) {
-    int first = (i + 1) * bits - 16;
-    if (first < 0) first += 256 * bits;
-    const int j0 = first >> 5;
-    t.idx0[i / 16][i % 16] = j0;
-    t.idx1[i / 16][i % 16] = (j0 + 1) % words;
-    t.shl[i / 16][i % 16] = first & 31;
-    t.shr[i / 16][i % 16] = 32 - (first & 31);
+    int b = (i + 1) * K - 16;
+    if (b < 0) b += 256 * K;
+    const int q = b >> 4, v = i / 16, l = i % 16;
+    const int lo = WindowTables<K>::PairLo(v), hi = WindowTables<K>::PairHi(v);
+    int idx;
+    if (q >= 16 * lo && q < 16 * lo + 16) {
+      idx = q - 16 * lo;
+    } else {
+      idx = 16 + q - 16 * hi;
+      if (idx < 16 || idx >= 32) std::abort();  // cannot happen for K <= 15
+    }
+    t.pick[v][l] = idx;
+    t.shift[l] = 16 - (b & 15);  // the same for every v (16vK = 0 mod 16)
   }
   return t;
 }
 
-const WindowTable& GetWindowTable(int bits) {
-  static const WindowTable* tables = [] {
-    auto* t = new WindowTable[kMaxBits + 1];
-    for (int b = kMinBits; b <= kMaxBits; ++b) t[b] = MakeWindowTable(b);
-    return t;
-  }();
-  return tables[bits];
+template <int K>
+const WindowTables<K>& GetWindowTables() {
+  static const WindowTables<K> tables = MakeWindowTables<K>();
+  return tables;
 }
 
-// The 8K words of one tile in up to four zmm (words past the tile are zero).
+// The K registers H_r of one tile.
 template <int K>
 struct TileRegs {
-  __m512i r[(8 * K + 15) / 16];
+  __m512i h[K];
 };
 
+// Loads stay inside the tile: a (masked) load that reaches into the next
+// tile's cache line costs an extra DRAM miss per tile (measured: -30 %).
 template <int K>
-inline TileRegs<K> LoadTile(const uint16_t* tile) {
+inline TileRegs<K> LoadTile(const uint16_t* tile, const WindowTables<K>& wt) {
   TileRegs<K> t;
-  const int32_t* w = reinterpret_cast<const int32_t*>(tile);  // §3.4: LE words
-  constexpr int kWords = 8 * K;
-  for (int q = 0; q < (kWords + 15) / 16; ++q) {
-    const int left = kWords - 16 * q;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    t.r[q] = _mm512_maskz_loadu_epi32(mask, w + 16 * q);
+  // Elements 0..31 (K >= 2) or 0..15 (K = 1): the wrap source for units 16K, 16K+1.
+  const __m512i first =
+      K >= 2 ? _mm512_loadu_si512(tile)
+             : _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile)));
+  for (int r = 0; r + 1 < K; ++r) {
+    const __m512i units = r == 0 ? first : _mm512_loadu_si512(tile + 16 * r);  // 16r .. 16r+31
+    t.h[r] = _mm512_permutexvar_epi16(_mm512_load_si512(wt.build_a), units);
   }
+  const __m512i last = _mm512_castsi256_si512(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 16 * (K - 1))));
+  t.h[K - 1] = _mm512_permutex2var_epi16(last, _mm512_load_si512(wt.build_b), first);
   return t;
 }
 
-template <int K>
-inline __m512i PickWords(const TileRegs<K>& t, __m512i idx) {
-  if constexpr (K <= 2) {
-    return _mm512_permutexvar_epi32(idx, t.r[0]);
-  } else if constexpr (K <= 4) {
-    return _mm512_permutex2var_epi32(t.r[0], idx, t.r[1]);
-  } else {
-    const __m512i lo = _mm512_permutex2var_epi32(t.r[0], idx, t.r[1]);
-    const __m512i hi = _mm512_permutex2var_epi32(t.r[2], idx, t.r[K > 6 ? 3 : 2]);
-    const __mmask16 upper = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-    return _mm512_mask_blend_epi32(upper, lo, hi);
-  }
+// The 16 states of positions 16v .. 16v+15, one per 32-bit lane.
+template <int K, int V>
+inline __m512i States(const TileRegs<K>& t, const WindowTables<K>& wt, __m512i shift) {
+  constexpr int lo = WindowTables<K>::PairLo(V), hi = WindowTables<K>::PairHi(V);
+  const __m512i h = _mm512_permutex2var_epi32(t.h[lo], _mm512_load_si512(wt.pick[V]), t.h[hi]);
+  return _mm512_and_si512(_mm512_srlv_epi32(h, shift), _mm512_set1_epi32(0xFFFF));
 }
 
-// The 16 states of positions 16v .. 16v+15, one per 32-bit lane (§3.3-3.4).
-template <int K>
-inline __m512i States(const TileRegs<K>& t, const WindowTable& wt, int v) {
-  const __m512i a = PickWords<K>(t, _mm512_load_si512(wt.idx0[v]));
-  const __m512i b = PickWords<K>(t, _mm512_load_si512(wt.idx1[v]));
-  const __m512i win = _mm512_or_si512(_mm512_sllv_epi32(a, _mm512_load_si512(wt.shl[v])),
-                                      _mm512_srlv_epi32(b, _mm512_load_si512(wt.shr[v])));
-  return _mm512_srli_epi32(win, 16);
+// Calls f.template operator()<P>() for P = 0 .. N-1 (compile-time unrolling,
+// so the register pair of every vector is a constant).
+template <int N, typename F>
+inline void Unroll(F&& f) {
+  [&]<int... P>(std::integer_sequence<int, P...>) { (f.template operator()<P>(), ...); }
+  (std::make_integer_sequence<int, N>());
 }
 
 inline __m512 RoundToHalf(__m512 f) {
@@ -160,14 +186,43 @@ inline __m512 HalfPairSum(__m512i x) {
   return _mm512_add_ps(lo, hi);  // exact (§4.4)
 }
 
+// mul1 weight from t: exact v = (1774 t - 905216)·2^-18, then RNE to fp16
+// precision without leaving fp32 (Veltkamp split with 2^13 + 1: c = 8193·v,
+// hi = c - (c - v) keeps the top 11 significant bits, round-to-nearest-even;
+// |v| >= 476·2^-18 so no fp16 subnormal is reachable). Verified for all 1021
+// t against vcvtps2ph (Mul1WeightsForTest, trellis_gemm_test.cc). Embedded
+// rounding forms so the compiler can never contract them into an FMA.
+// `tbits` holds the float with bit pattern 0x4B000000 + t (= 2^23 + t), which
+// vpdpbusd produces for free when its accumulator starts at 0x4B000000;
+// v = (2^23 + t)·A + kMul1MagicOffset is exact (-3.453125 - 2^23·A = -7266746·2^-7).
+// 4 uops (fma, mul, sub, sub; all p05) vs cvtdq2ps + fma + vcvtps2ph (2) +
+// vcvtph2ps (2) = 6 uops, 3 of them on p0.
+inline __m512 Mul1WeightFromMagic(__m512 tbits) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512 v = _mm512_fmadd_round_ps(tbits, _mm512_set1_ps(internal::kMul1Slope),
+                                         _mm512_set1_ps(internal::kMul1MagicOffset), kRound);
+  const __m512 c = _mm512_mul_round_ps(v, _mm512_set1_ps(8193.0f), kRound);
+  return _mm512_sub_round_ps(c, _mm512_sub_round_ps(c, v, kRound), kRound);
+}
+
+// mul1 weight of the product x = s·0x83DCD12D.
+template <bool kVnni>
+inline __m512 Mul1WeightOfProduct(__m512i x) {
+  __m512i tbits;
+  if constexpr (kVnni) {
+    tbits = _mm512_dpbusd_epi32(_mm512_set1_epi32(internal::kFloatMagicBits), x,
+                                _mm512_set1_epi32(0x01010101));
+  } else {
+    tbits = _mm512_add_epi32(ByteSum<false>(x), _mm512_set1_epi32(internal::kFloatMagicBits));
+  }
+  return Mul1WeightFromMagic(_mm512_castsi512_ps(tbits));
+}
+
 // State -> the fp32 value of the fp16 weight, bit-exact with DecodeState.
 template <Codebook kCb, bool kVnni>
 inline __m512 DecodeStates(__m512i s) {
   if constexpr (kCb == Codebook::kMul1) {
-    const __m512i t = ByteSum<kVnni>(_mm512_mullo_epi32(s, _mm512_set1_epi32(static_cast<int>(kMul1Mul))));
-    const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(internal::kMul1Slope),
-                                     _mm512_set1_ps(internal::kMul1Offset));  // exact
-    return RoundToHalf(f);
+    return Mul1WeightOfProduct<kVnni>(_mm512_mullo_epi32(s, _mm512_set1_epi32(static_cast<int>(kMul1Mul))));
   } else if constexpr (kCb == Codebook::kMcg) {
     return RoundToHalf(HalfPairSum(_mm512_mullo_epi32(s, _mm512_set1_epi32(static_cast<int>(kMcgMul)))));
   } else {
@@ -194,13 +249,25 @@ inline void ReduceGroup(const T lanes[16], T* col_p, T* col_p8) {
 }
 
 // GEMV path, fp32: rows [row0, row0 + R) of the block.
+//   Per 16 weights, mul1 (uops on Intel, zmm; p0 = the only port for 512-bit
+//   shifts and integer multiplies, p05 = both vector ports):
+//     window   vpermi2d (p5) + vpsrlvd (p0) + vpandd (p05)            3
+//     product  vpmulld (2 x p0)                                       2
+//     t        vpdpbusd into a 2^23 float bias (p0)                   1
+//     weight   fma + Veltkamp RNE (mul, sub, sub) (p05)               4
+//     MAC      1 vfmadd per activation row, x_pos as memory operand   R
+//   = 10 + R uops (4 on p0): ~5.5 cycles / 16 weights at R = 1 (was ~16
+//   uops); + ~(K+1)/16 uops per vector to build the tile's H registers.
+//   3inst/mcg: window 3 + vpmulld 2 [+ vpaddd] + vpternlogd + 2 x (vpmovdw 2
+//   + vcvtph2ps 2) + vpsrld + vaddps + RNE 4 (vcvtps2ph/vcvtph2ps) ~ 21.
 template <int K, Codebook kCb, bool kVnni, int R>
 void GemvRows(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
   const Exl3LinearView& view = *pr.view;
   const int64_t groups = view.k / kTileDim;
   const int64_t tiles_n = view.n / kTileDim;
   const int64_t row_stride = tiles_n * 16 * K;  // uint16 between rows of tiles
-  const WindowTable& wt = GetWindowTable(K);
+  const WindowTables<K>& wt = GetWindowTables<K>();
+  const __m512i shift = _mm512_load_si512(wt.shift);
   for (int tn = 0; tn < kTilesPerBlock; ++tn) {
     __m512 acc[R][8];
     for (int b = 0; b < R; ++b)
@@ -208,17 +275,17 @@ void GemvRows(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
     const uint16_t* tile = view.trellis + (n0 / kTileDim + tn) * 16 * K;
     for (int64_t tk = 0; tk < groups; ++tk, tile += row_stride) {
       if (tk + kPrefetchTiles < groups) PrefetchTile(tile + kPrefetchTiles * row_stride, K);
-      const TileRegs<K> regs = LoadTile<K>(tile);
+      const TileRegs<K> regs = LoadTile<K>(tile, wt);
       const float* xp[R];
       for (int b = 0; b < R; ++b) xp[b] = pr.x_pos + ((row0 + b) * groups + tk) * 32;
-      for (int p = 0; p < 8; ++p) {
-        const __m512 w0 = DecodeStates<kCb, kVnni>(States<K>(regs, wt, 2 * p));
-        const __m512 w1 = DecodeStates<kCb, kVnni>(States<K>(regs, wt, 2 * p + 1));
+      Unroll<8>([&]<int P>() {
+        const __m512 w0 = DecodeStates<kCb, kVnni>(States<K, 2 * P>(regs, wt, shift));
+        const __m512 w1 = DecodeStates<kCb, kVnni>(States<K, 2 * P + 1>(regs, wt, shift));
         for (int b = 0; b < R; ++b) {
-          acc[b][p] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp[b]), acc[b][p]);
-          acc[b][p] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp[b] + 16), acc[b][p]);
+          acc[b][P] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp[b]), acc[b][P]);
+          acc[b][P] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp[b] + 16), acc[b][P]);
         }
-      }
+      });
     }
     for (int b = 0; b < R; ++b) {
       float* out = pr.y + (row0 + b) * view.n + n0 + tn * kTileDim;
@@ -232,13 +299,19 @@ void GemvRows(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
 }
 
 // GEMV path, kInt8 (mul1 only): integer byte-sum dot products.
+//   Per 16 weights with VNNI: window 3 (vpermi2d p5, vpsrlvd p0, vpandd p05)
+//   + vpmulld 2 (p0) + 1 vpdpbusd (p0) per activation row against the
+//   replicated int8 activation (memory operand) = 5 + R uops, 3 + R of them
+//   on p0: ~4 cycles / 16 weights at R = 1 (was 9 uops, 7 on p0), plus
+//   ~(K+1)/16 per vector for the H registers.
 template <int K, bool kVnni, int R>
 void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
   const Exl3LinearView& view = *pr.view;
   const int64_t groups = view.k / kTileDim;
   const int64_t tiles_n = view.n / kTileDim;
   const int64_t row_stride = tiles_n * 16 * K;
-  const WindowTable& wt = GetWindowTable(K);
+  const WindowTables<K>& wt = GetWindowTables<K>();
+  const __m512i shift = _mm512_load_si512(wt.shift);
   const __m512i mul = _mm512_set1_epi32(static_cast<int>(kMul1Mul));
   for (int tn = 0; tn < kTilesPerBlock; ++tn) {
     __m512i acc[R][8];
@@ -247,18 +320,18 @@ void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
     const uint16_t* tile = view.trellis + (n0 / kTileDim + tn) * 16 * K;
     for (int64_t tk = 0; tk < groups; ++tk, tile += row_stride) {
       if (tk + kPrefetchTiles < groups) PrefetchTile(tile + kPrefetchTiles * row_stride, K);
-      const TileRegs<K> regs = LoadTile<K>(tile);
+      const TileRegs<K> regs = LoadTile<K>(tile, wt);
       const uint32_t* xq[R];
       for (int b = 0; b < R; ++b) xq[b] = pr.x_pos_i8 + ((row0 + b) * groups + tk) * 32;
-      for (int p = 0; p < 8; ++p) {
-        const __m512i x0 = _mm512_mullo_epi32(States<K>(regs, wt, 2 * p), mul);
-        const __m512i x1 = _mm512_mullo_epi32(States<K>(regs, wt, 2 * p + 1), mul);
+      Unroll<8>([&]<int P>() {
+        const __m512i x0 = _mm512_mullo_epi32(States<K, 2 * P>(regs, wt, shift), mul);
+        const __m512i x1 = _mm512_mullo_epi32(States<K, 2 * P + 1>(regs, wt, shift), mul);
         for (int b = 0; b < R; ++b) {
           const __m512i a0 = _mm512_loadu_si512(xq[b]);
           const __m512i a1 = _mm512_loadu_si512(xq[b] + 16);
           if constexpr (kVnni) {
-            acc[b][p] = _mm512_dpbusd_epi32(acc[b][p], x0, a0);
-            acc[b][p] = _mm512_dpbusd_epi32(acc[b][p], x1, a1);
+            acc[b][P] = _mm512_dpbusd_epi32(acc[b][P], x0, a0);
+            acc[b][P] = _mm512_dpbusd_epi32(acc[b][P], x1, a1);
           } else {
             // t (< 2^10) in the low half of each word times the sign-extended
             // activation: one vpmaddwd each (the high halves multiply 0).
@@ -266,11 +339,11 @@ void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
             const __m512i t1 = ByteSum<false>(x1);
             const __m512i s0 = _mm512_srai_epi32(_mm512_slli_epi32(a0, 24), 24);
             const __m512i s1 = _mm512_srai_epi32(_mm512_slli_epi32(a1, 24), 24);
-            acc[b][p] = _mm512_add_epi32(acc[b][p], _mm512_madd_epi16(t0, s0));
-            acc[b][p] = _mm512_add_epi32(acc[b][p], _mm512_madd_epi16(t1, s1));
+            acc[b][P] = _mm512_add_epi32(acc[b][P], _mm512_madd_epi16(t0, s0));
+            acc[b][P] = _mm512_add_epi32(acc[b][P], _mm512_madd_epi16(t1, s1));
           }
         }
-      }
+      });
     }
     for (int b = 0; b < R; ++b) {
       const int64_t row = row0 + b;
@@ -345,7 +418,8 @@ void GemmBlock(const TrellisGemmProblem& pr, int64_t n0) {
   const int64_t n = view.n;
   const int64_t m = pr.m;
   const int64_t tiles_n = n / kTileDim;
-  const WindowTable& wt = GetWindowTable(K);
+  const WindowTables<K>& wt = GetWindowTables<K>();
+  const __m512i shift = _mm512_load_si512(wt.shift);
   const ScatterTable& st = GetScatterTable();
   // Two panels of kGemmKc x 64 floats, reused by this thread across calls.
   thread_local std::unique_ptr<float[], decltype(&std::free)> buffer(
@@ -362,13 +436,13 @@ void GemmBlock(const TrellisGemmProblem& pr, int64_t n0) {
       const int64_t tk = k0 / kTileDim + tkl;
       for (int tn = 0; tn < kTilesPerBlock; ++tn) {
         const TileRegs<K> regs =
-            LoadTile<K>(view.trellis + (tk * tiles_n + n0 / kTileDim + tn) * 16 * K);
+            LoadTile<K>(view.trellis + (tk * tiles_n + n0 / kTileDim + tn) * 16 * K, wt);
         float* dst = panels + (tn / 4) * kGemmKc * kGemmPanel + tkl * kTileDim * kGemmPanel +
                      (tn % 4) * kTileDim;
         alignas(64) float decoded[kTileWeights];
-        for (int v = 0; v < kVectors; ++v) {
-          _mm512_store_ps(decoded + 16 * v, DecodeStates<kCb, kVnni>(States<K>(regs, wt, v)));
-        }
+        Unroll<kVectors>([&]<int V>() {
+          _mm512_store_ps(decoded + 16 * V, DecodeStates<kCb, kVnni>(States<K, V>(regs, wt, shift)));
+        });
         for (int j = 0; j < kTileWeights; ++j) dst[st.offset[j]] = decoded[j];
       }
     }
@@ -440,6 +514,14 @@ BlockFn Pick(Codebook cb, int bits) {
 }
 
 }  // namespace
+
+void Mul1WeightsForTest(const int32_t* t, int64_t count, float* w) {
+  for (int64_t i = 0; i + 16 <= count; i += 16) {
+    const __m512i tv = _mm512_loadu_si512(t + i);
+    _mm512_storeu_ps(w + i, Mul1WeightFromMagic(_mm512_castsi512_ps(
+                                _mm512_add_epi32(tv, _mm512_set1_epi32(internal::kFloatMagicBits)))));
+  }
+}
 
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block) {
   const bool vnni = GetCpuFeatures().avx512vnni;

@@ -37,6 +37,13 @@ constexpr int GroupPositionColumnOffset(int e) { return 8 * ((e >> 2) & 1); }
 // value = (1774 t - 905216)·2^-18 = kMul1Slope·t + kMul1Offset, both exact.
 inline constexpr float kMul1Slope = 1774.0f / 262144.0f;
 inline constexpr float kMul1Offset = -905216.0f / 262144.0f;
+// Float bit pattern of 2^23: (kFloatMagicBits + t) read as float is 2^23 + t
+// for 0 <= t < 2^23; kMul1MagicOffset = kMul1Offset - 2^23·kMul1Slope
+// (= -7266746·2^-7, exact), so (2^23 + t)·kMul1Slope + kMul1MagicOffset is
+// the exact pre-rounding mul1 value (one FMA, no int->float conversion).
+inline constexpr int32_t kFloatMagicBits = 0x4B000000;
+inline constexpr float kMul1MagicOffset = -7266746.0f / 128.0f;
+static_assert(kMul1MagicOffset == kMul1Offset - 8388608.0f * kMul1Slope);
 
 struct TrellisGemmProblem {
   const Exl3LinearView* view = nullptr;
@@ -76,9 +83,13 @@ void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t
 }  // namespace exl3serve::kernels::cpu::scalar
 namespace exl3serve::kernels::cpu::avx2 {
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block);
+void Mul1WeightsForTest(const int32_t* t, int64_t count, float* w);  // count % 8 == 0
 }  // namespace exl3serve::kernels::cpu::avx2
 namespace exl3serve::kernels::cpu::avx512 {
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block);
+// Test hook: the SIMD mul1 weight (t -> fp32 value of the fp16 weight) the
+// kernels use, for an exhaustive check over t = 0..1020 (count % 16 == 0).
+void Mul1WeightsForTest(const int32_t* t, int64_t count, float* w);
 }  // namespace exl3serve::kernels::cpu::avx512
 
 #endif  // EXL3SERVE_KERNELS_CPU_TRELLIS_GEMM_INTERNAL_H_

@@ -13,15 +13,18 @@ namespace {
 
 // Inner-loop cost model: as the AVX-512 step (tile_quantizer_avx512.cc) with
 // 8-lane vectors: 8192 candidate vectors per position and tile, each
-// fma + add + min (3 FP ops) + a prev load, plus 2/B loads of cb, cb2 shared
-// by the B tiles of the batch. The predecessor prev[(p << (16-2K)) | (e >> K)]
-// is one broadcast per vector for K >= 3 (8 consecutive e share it); for
-// K < 3 the lanes are ordered l -> ((l mod D) << K) + (l div D), D = 8 >> K,
-// so it is one broadcast load of D floats (vbroadcastf128 / vbroadcastsd),
-// cb/cb2 come from tables in that lane order and one vpermps per output
-// vector restores natural order. 256-bit FP ops issue on 2-3 ports, so the
-// bound is ~1-1.5 cycles per vector: 8-12 k cycles per position and tile.
-// Registers: B x kU = 4 x 2 accumulators + 2 cb + 2 cb2 + temporaries; the
+// fma + add + min (3 FP ops) + a prev broadcast load, plus, shared by the B
+// tiles of the batch, one load of the interleaved cb table and one mul (cb²).
+// The predecessor prev[(p << (16-2K)) | (e >> K)] is one broadcast per vector
+// for K >= 3 (8 consecutive e share it); for K < 3 the lanes are ordered
+// l -> ((l mod D) << K) + (l div D), D = 8 >> K, so it is one broadcast load
+// of D floats (vbroadcastf128 / vbroadcastsd) and one vpermps per output
+// vector restores natural order. For K < 4 the decisions for the traceback
+// cost one vcmpps + vmovmskps + byte store per candidate vector with p > 0.
+// 256-bit FMA/min issue on 2 ports (adds also on a third): the bound is
+// ~1.3-1.5 cycles per vector, ~11-12 k cycles per position and tile, about
+// twice the AVX-512 step.
+// Registers: B x kU = 4 x 2 accumulators + 2 cb + 2 cb² + temporaries; the
 // per-tile w is re-broadcast from memory (16 ymm registers only).
 template <int K>
 inline __m256 LoadPrev(const float* p) {

@@ -19,24 +19,39 @@ namespace {
 //   every one of the 65 536 states s = (p << (16-K)) | e is evaluated once per
 //   tile: 4096 candidate vectors per tile, each
 //     1 fma, 1 add, 1 min                         (3 FP ops, ports 0 and 5)
-//     + 1 load of prev (broadcast, no shuffle uop) + 2/B loads of cb, cb2.
-//   The cb/cb2 vectors are loaded once per batch: with B = 1 a position
-//   streams 512 KiB of tables from L2 (~2x slower than the FP ports, the old
-//   bottleneck); with B = 4 it is 128 KiB per tile-position and the step is
-//   FP-port bound: 3 ops x 4096 / 2 ports = 6144 cycles per position per tile,
-//   3.15 M cycles per tile (two passes of 256 positions) at every K.
+//     + 1 load of prev (broadcast, no shuffle uop)
+//   plus, shared by the B tiles, 1 load of cb and 1 mul (cb² is exact, so it
+//   is not read from a second table): 3 + 1/B FP ops per candidate vector.
+//   Table traffic: the interleaved cb table (256 KiB, read front to back, one
+//   stream) once per position per batch. Unbatched (B = 1) the old step
+//   streamed 512 KiB (cb + cb2, 2^K strided streams) from L2 per tile and
+//   position and ran at ~2x the FP bound; with B = 4 the table costs 64 KiB
+//   per tile-position.
+//   FP bound: (3 + 1/4)·4096 / 2 ports = 6.7 k cycles per position per tile,
+//   3.4 M cycles per tile (512 positions), 0.93 ms at the 3.65 GHz this CPU
+//   sustains with 512-bit FMAs: ~0.27 M weights/s per core. The 3-op part
+//   alone bounds any variant of this formulation at ~0.30 M.
+//   Measured (quant_speed_bench, K = 4, 1 thread, best of runs, B = 4):
+//   kernel alone ~2.05 µs per tile-position (~1.1x the bound); whole tile
+//   quantizer see sharding/quant/README.md (history writes and traceback add
+//   ~15-20 %).
 //   Predecessor costs prev[(p << (16-2K)) | (e >> K)]: for K >= 4 all 16 lanes
-//   share one value (one vbroadcastss). For K < 4 a vector spans D = 16 >> K
-//   predecessors, each repeated 2^K times; the lanes are ordered
-//   l -> e0 + ((l mod D) << K) + (l div D) so the vector is one broadcast load
-//   of D consecutive floats (f32x8 / f32x4 / sd, pure loads), with cb/cb2 read
-//   from tables stored in that lane order, and the result is put back in
-//   natural order with one vpermps per output vector (1/2^K per candidate).
-//   No arg-min is tracked here (no compare/blend): the driver keeps the cost
-//   rows and recovers the winning p for the one edge on the path at traceback.
-//   Registers: B x kU = 8 accumulators (each updated every 8 vectors, well
-//   past the 4-cycle min latency), kU cb + kU cb2, B w's: ~20 zmm.
-//   Measured (this CPU, quant_speed_bench): see sharding/quant/README.md.
+//   share one value (one vbroadcastss folded into the add). For K < 4 a vector
+//   spans D = 16 >> K predecessors, each repeated 2^K times; the lanes are
+//   ordered l -> e0 + ((l mod D) << K) + (l div D) so the vector is one
+//   broadcast load of D consecutive floats (f32x8 / f32x4 / sd, pure loads),
+//   with cb read from a table stored in that lane order, and the result is put
+//   back in natural order with one vpermps per output vector (1/2^K per
+//   candidate vector).
+//   Arg-min: none for K >= 4 (the driver keeps the cost rows and re-evaluates
+//   the 2^K candidates of the one edge on the path at traceback). For K < 4
+//   (rows too large to keep) the driver asks for decisions: candidate p > 0
+//   adds one compare into a mask register (p5) and a 2-byte mask store, and
+//   candidate 0 needs no min: +0 / +0.5 / +0.75 ops per candidate vector at
+//   K = 1 / 2 / 3, instead of recomputing 15 of every 16 rows (+~70 %).
+//   Registers: B x kU = 8 accumulators (each updated every 8 candidate
+//   vectors, well past the 4-cycle min latency), kU cb + kU cb², B w's: ~22 of
+//   32 zmm, no spills up to B = 6 (B = 8 spills and is slower).
 template <int K>
 inline __m512 LoadPrev(const float* p) {
   if constexpr (K >= 4) {

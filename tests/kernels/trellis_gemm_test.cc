@@ -3,6 +3,7 @@
 // invariance; the kInt8 path's error; argument errors.
 #include "kernels/trellis_gemm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -14,7 +15,9 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/trellis_gemm_internal.h"
 #include "kernels/reconstruct.h"
+#include "kernels/trellis_decode.h"
 #include "kernels/trellis_lut.h"
 
 namespace exl3serve::kernels {
@@ -251,6 +254,49 @@ TEST(TrellisGemmTest, Int8PathIsCloseToFloatAndIdenticalAcrossVariants) {
         EXPECT_EQ(0, std::memcmp(got.data(), ref.data(), got.size() * sizeof(float)))
             << v.name << " K=" << bits << " m=" << m;
       }
+    }
+  }
+}
+
+// The SIMD mul1 weight formula (Veltkamp RNE in fp32, no fp16 conversion)
+// against the fp16 table value, exhaustively over every byte sum t.
+TEST(TrellisGemmTest, SimdMul1WeightIsExactForEveryByteSum) {
+  std::vector<int32_t> t(1024);
+  for (int i = 0; i < 1024; ++i) t[i] = std::min(i, 1020);
+  std::vector<float> want(1024);
+  for (int i = 0; i < 1024; ++i) {
+    // DecodeState of a state with this byte sum: search the table once.
+    want[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  const CodebookTable& table = GetCodebookTable(Codebook::kMul1);
+  std::vector<bool> seen(1021, false);
+  for (uint32_t s = 0; s < 65536; ++s) {
+    const uint32_t bt = Mul1ByteSum(static_cast<uint16_t>(s));
+    if (!seen[bt]) {
+      seen[bt] = true;
+      want[bt] = table.value[s];
+    }
+  }
+  // Byte sums no state reaches: the exact definition (§4.3), RNE via double.
+  for (int i = 0; i <= 1020; ++i) {
+    if (seen[i]) continue;
+    const uint16_t h = FloatToHalfBits(static_cast<float>(1774 * i - 905216) * 3.814697265625e-6f);
+    want[i] = HalfBitsToFloat(h);
+  }
+  for (int i = 1021; i < 1024; ++i) want[i] = want[1020];
+  struct Hook {
+    const char* name;
+    cpu::CpuIsa isa;
+    void (*fn)(const int32_t*, int64_t, float*);
+  };
+  for (const Hook& h : {Hook{"avx2", cpu::CpuIsa::kAvx2, &cpu::avx2::Mul1WeightsForTest},
+                        Hook{"avx512", cpu::CpuIsa::kAvx512, &cpu::avx512::Mul1WeightsForTest}}) {
+    if (!cpu::CpuSupportsIsa(h.isa)) continue;
+    std::vector<float> got(1024, std::numeric_limits<float>::quiet_NaN());
+    h.fn(t.data(), 1024, got.data());
+    for (int i = 0; i <= 1020; ++i) {
+      EXPECT_EQ(std::memcmp(&got[i], &want[i], sizeof(float)), 0)
+          << h.name << " t=" << i << " got " << got[i] << " want " << want[i];
     }
   }
 }
