@@ -24,6 +24,8 @@ CommandRunner RegisterInspectCommand(CLI::App& app);
 CommandRunner RegisterMakeTestModelCommand(CLI::App& app);
 CommandRunner RegisterBenchCommand(CLI::App& app);  // `bench gemv`
 CommandRunner RegisterTokenizeCommand(CLI::App& app);
+CommandRunner RegisterGenerateCommand(CLI::App& app);
+CommandRunner RegisterImportLlama2cCommand(CLI::App& app);
 
 }  // namespace exl3serve::cli
 

@@ -37,6 +37,10 @@ int main(int argc, char** argv) {
       "micro-benchmarks (gemv: one TrellisGemm configuration, one line of output)");
   add(exl3serve::cli::RegisterTokenizeCommand, "tokenize",
       "encode text to token ids (JSON array) or decode ids to text with a model's tokenizer.json");
+  add(exl3serve::cli::RegisterGenerateCommand, "generate",
+      "load a model (EXL3 or Hugging Face) and stream a continuation of one prompt");
+  add(exl3serve::cli::RegisterImportLlama2cCommand, "import-llama2c",
+      "convert a llama2.c checkpoint (e.g. stories260K.bin) to a Hugging Face Llama directory");
   app.require_subcommand(0, 1);
 
   try {

@@ -1,0 +1,169 @@
+// `exl3serve generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) ...`:
+// loads a model (EXL3 or plain Hugging Face) and streams a continuation of
+// one prompt to stdout, as text through the model's tokenizer.json or, with
+// --ids (or when there is no tokenizer), as space-separated token ids.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "cli/commands.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "coordinator/tokenizer/stream_decoder.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "sharding/npy_writer.h"
+#include "worker/model/generator.h"
+#include "worker/model/stop_strings.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::cli {
+namespace {
+
+absl::StatusOr<std::vector<int32_t>> ParseIds(const std::string& text, const char* flag) {
+  std::vector<int32_t> ids;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    int32_t id;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(flag, ": `", part, "` is not a token id (expected e.g. 1,2,3)"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+void Print(const std::string& text) {
+  std::fwrite(text.data(), 1, text.size(), stdout);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+CommandRunner RegisterGenerateCommand(CLI::App& app) {
+  struct Args {
+    std::string model, prompt, prompt_ids, stop_ids, logits_out;
+    std::vector<std::string> stop;
+    bool ids = false, add_bos = false, ignore_eos = false;
+    int64_t max_tokens = 64;
+    int kv_bits = 16;
+    int64_t kv_pages = 0;
+    int64_t seed = -1;
+    worker::SamplingParams sampling;
+  };
+  auto args = std::make_shared<Args>();
+  args->sampling.temperature = 0.0f;
+  app.add_option("--model", args->model, "model directory (EXL3 or Hugging Face)")->required();
+  auto* prompt = app.add_option("--prompt", args->prompt, "prompt text (needs tokenizer.json)");
+  auto* prompt_ids =
+      app.add_option("--prompt-ids", args->prompt_ids, "prompt as comma-separated token ids");
+  prompt->excludes(prompt_ids);
+  app.add_flag("--ids", args->ids, "print generated token ids instead of text");
+  app.add_flag("--add-bos", args->add_bos,
+               "with --prompt: apply the tokenizer's special-token template (BOS, ...)");
+  app.add_option("--max-tokens", args->max_tokens, "tokens to generate at most")
+      ->capture_default_str();
+  app.add_option("--temperature", args->sampling.temperature, "0 = greedy")->capture_default_str();
+  app.add_option("--top-k", args->sampling.top_k, "0 = off")->capture_default_str();
+  app.add_option("--top-p", args->sampling.top_p, "1 = off")->capture_default_str();
+  app.add_option("--min-p", args->sampling.min_p, "0 = off")->capture_default_str();
+  app.add_option("--repetition-penalty", args->sampling.repetition_penalty, "1 = off")
+      ->capture_default_str();
+  app.add_option("--presence-penalty", args->sampling.presence_penalty)->capture_default_str();
+  app.add_option("--frequency-penalty", args->sampling.frequency_penalty)->capture_default_str();
+  app.add_option("--seed", args->seed, "sampling seed (-1: random)")->capture_default_str();
+  app.add_option("--stop", args->stop, "stop string (repeatable; text mode only)");
+  app.add_option("--stop-ids", args->stop_ids, "comma-separated stop token ids (besides EOS)");
+  app.add_flag("--ignore-eos", args->ignore_eos, "do not stop at the model's EOS ids");
+  app.add_option("--kv-bits", args->kv_bits, "KV cache storage: 16 (fp16), 8, 4 (int per head), 32")
+      ->capture_default_str();
+  app.add_option("--kv-pages", args->kv_pages,
+                 "KV cache pages of 16 positions (0: enough for prompt + max tokens)")
+      ->capture_default_str();
+  app.add_option("--logits-out", args->logits_out,
+                 "write the logits of every generated token as a float32 .npy [steps, vocab]");
+  return [args]() -> absl::Status {
+    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::Transformer> model,
+                          worker::Transformer::Load(args->model));
+    std::unique_ptr<coordinator::Tokenizer> tokenizer;
+    if (std::filesystem::exists(args->model + "/tokenizer.json")) {
+      EXL3_ASSIGN_OR_RETURN(tokenizer, coordinator::Tokenizer::Load(args->model));
+    }
+    std::vector<int32_t> prompt;
+    if (!args->prompt_ids.empty()) {
+      EXL3_ASSIGN_OR_RETURN(prompt, ParseIds(args->prompt_ids, "--prompt-ids"));
+    } else if (!args->prompt.empty()) {
+      if (tokenizer == nullptr) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            args->model, " has no tokenizer.json; give the prompt as --prompt-ids"));
+      }
+      prompt = tokenizer->Encode(args->prompt, {.add_special_tokens = args->add_bos});
+    }
+    if (prompt.empty()) return absl::InvalidArgumentError("generate needs --prompt or --prompt-ids");
+    const bool text_mode = !args->ids && tokenizer != nullptr;
+    if (!args->stop.empty() && !text_mode) {
+      return absl::InvalidArgumentError("--stop needs text output (a tokenizer.json, no --ids)");
+    }
+
+    worker::GenerationOptions options;
+    options.sampling = args->sampling;
+    if (args->seed >= 0) options.sampling.seed = static_cast<uint64_t>(args->seed);
+    options.max_new_tokens = args->max_tokens;
+    if (!args->ignore_eos) options.stop_token_ids = model->config().eos_token_ids;
+    EXL3_ASSIGN_OR_RETURN(std::vector<int32_t> stop_ids, ParseIds(args->stop_ids, "--stop-ids"));
+    options.stop_token_ids.insert(options.stop_token_ids.end(), stop_ids.begin(), stop_ids.end());
+
+    worker::KvCacheOptions kv;
+    EXL3_ASSIGN_OR_RETURN(kv.dtype, worker::KvCacheDtypeFromBits(args->kv_bits));
+    const int64_t positions = static_cast<int64_t>(prompt.size()) + std::max<int64_t>(0, args->max_tokens);
+    kv.num_pages = args->kv_pages > 0 ? args->kv_pages
+                                      : (positions + kv.page_size_tokens - 1) / kv.page_size_tokens;
+    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model->CreateKvCache(kv));
+
+    std::optional<coordinator::StreamDecoder> stream;
+    if (text_mode) stream.emplace(*tokenizer, coordinator::DecodeOptions{.skip_special_tokens = true});
+    worker::StopStringMatcher stops(args->stop);
+    std::vector<float> logits_log;
+    absl::Status decode_status;
+    int64_t generated = 0;
+    auto on_step = [&](const worker::GeneratedStep& step) -> bool {
+      ++generated;
+      if (!args->logits_out.empty()) {
+        logits_log.insert(logits_log.end(), step.logits.begin(), step.logits.end());
+      }
+      if (!text_mode) {
+        Print(absl::StrCat(generated > 1 ? " " : "", step.token.id));
+        return true;
+      }
+      absl::StatusOr<std::string> piece = stream->Push(step.token.id);
+      if (!piece.ok()) {
+        decode_status = piece.status();
+        return false;
+      }
+      Print(stops.Append(*piece));
+      return !stops.stopped();
+    };
+    EXL3_ASSIGN_OR_RETURN(worker::FinishReason finish,
+                          worker::Generate(*model, &cache, 0, prompt, options, on_step));
+    EXL3_RETURN_IF_ERROR(decode_status);
+    if (text_mode) Print(stops.Append(stream->Finish()) + stops.Flush());
+    Print("\n");
+    EXL3_LOG(kInfo) << "generated " << generated << " tokens, finish: "
+                    << (finish == worker::FinishReason::kLength      ? "length"
+                        : finish == worker::FinishReason::kStopToken ? "stop token"
+                                                                     : "stop string");
+    if (!args->logits_out.empty()) {
+      EXL3_RETURN_IF_ERROR(sharding::WriteNpyFloat32(
+          args->logits_out, {generated, model->vocab_size()}, logits_log));
+    }
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace exl3serve::cli

@@ -1,0 +1,261 @@
+#include "worker/model/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "kernels/trellis_decode.h"
+
+namespace exl3serve::worker {
+namespace {
+
+constexpr int64_t kScaleBytes = 4;
+
+void StoreFp16(const float* x, int n, uint8_t* out) {
+  for (int i = 0; i < n; ++i) {
+    const uint16_t h = kernels::FloatToHalfBits(x[i]);
+    std::memcpy(out + 2 * i, &h, 2);
+  }
+}
+
+void LoadFp16(const uint8_t* in, int n, float* x) {
+  for (int i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, in + 2 * i, 2);
+    x[i] = kernels::HalfBitsToFloat(h);
+  }
+}
+
+float AbsMax(const float* x, int n) {
+  float m = 0.0f;
+  for (int i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+// Symmetric quantization to [-qmax, qmax]; returns the scale (0 for all-zero).
+float QuantizeSymmetric(const float* x, int n, int qmax, int8_t* q) {
+  const float scale = AbsMax(x, n) / static_cast<float>(qmax);
+  for (int i = 0; i < n; ++i) {
+    const float r = scale > 0.0f ? std::nearbyint(x[i] / scale) : 0.0f;
+    q[i] = static_cast<int8_t>(std::clamp(r, -static_cast<float>(qmax), static_cast<float>(qmax)));
+  }
+  return scale;
+}
+
+}  // namespace
+
+absl::StatusOr<KvCacheDtype> KvCacheDtypeFromBits(int bits) {
+  switch (bits) {
+    case 32: return KvCacheDtype::kFp32;
+    case 16: return KvCacheDtype::kFp16;
+    case 8: return KvCacheDtype::kInt8;
+    case 4: return KvCacheDtype::kInt4;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv cache bits must be 32, 16, 8 or 4, got ", bits));
+  }
+}
+
+absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
+                                                  const KvCacheOptions& options) {
+  if (shape.num_layers <= 0 || shape.num_kv_heads <= 0 || shape.head_dim <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv cache: layers, kv heads and head_dim must be > 0, got ", shape.num_layers, ", ",
+        shape.num_kv_heads, ", ", shape.head_dim));
+  }
+  if (options.page_size_tokens <= 0 || options.num_pages <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv_cache.page_size_tokens and kv_cache.num_pages must be > 0, got ",
+                     options.page_size_tokens, " and ", options.num_pages));
+  }
+  if (options.dtype == KvCacheDtype::kInt4 && shape.head_dim % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: 4-bit entries need an even head_dim, got ", shape.head_dim));
+  }
+  PagedKvCache cache;
+  cache.shape_ = shape;
+  cache.options_ = options;
+  const int64_t entry = cache.EntryStride();
+  cache.bytes_per_page_ =
+      int64_t{shape.num_layers} * 2 * options.page_size_tokens * shape.num_kv_heads * entry;
+  cache.pool_.assign(static_cast<size_t>(cache.bytes_per_page_ * options.num_pages), 0);
+  cache.free_pages_.reserve(options.num_pages);
+  for (int64_t p = options.num_pages - 1; p >= 0; --p) cache.free_pages_.push_back(p);
+  return cache;
+}
+
+int64_t PagedKvCache::EntryBytes() const {
+  switch (options_.dtype) {
+    case KvCacheDtype::kFp32: return 4 * int64_t{shape_.head_dim};
+    case KvCacheDtype::kFp16: return 2 * int64_t{shape_.head_dim};
+    case KvCacheDtype::kInt8: return shape_.head_dim;
+    case KvCacheDtype::kInt4: return shape_.head_dim / 2;
+  }
+  return 0;
+}
+
+int64_t PagedKvCache::EntryStride() const {
+  const bool scaled = options_.dtype == KvCacheDtype::kInt8 || options_.dtype == KvCacheDtype::kInt4;
+  return EntryBytes() + (scaled ? kScaleBytes : 0);
+}
+
+uint8_t* PagedKvCache::EntryPtr(int64_t page, int layer, int which, int64_t slot, int head) {
+  const int64_t entry = EntryStride();
+  const int64_t index =
+      ((int64_t{layer} * 2 + which) * options_.page_size_tokens + slot) * shape_.num_kv_heads +
+      head;
+  return pool_.data() + page * bytes_per_page_ + index * entry;
+}
+
+const uint8_t* PagedKvCache::EntryPtr(int64_t page, int layer, int which, int64_t slot,
+                                      int head) const {
+  return const_cast<PagedKvCache*>(this)->EntryPtr(page, layer, which, slot, head);
+}
+
+const PagedKvCache::Sequence& PagedKvCache::Get(int64_t seq_id) const {
+  auto it = sequences_.find(seq_id);
+  EXL3_CHECK(it != sequences_.end()) << "unknown sequence " << seq_id;
+  return it->second;
+}
+
+absl::Status PagedKvCache::AddSequence(int64_t seq_id) {
+  if (!sequences_.try_emplace(seq_id).second) {
+    return absl::AlreadyExistsError(absl::StrCat("kv cache: sequence ", seq_id, " already exists"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PagedKvCache::RemoveSequence(int64_t seq_id) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  }
+  for (int64_t page : it->second.pages) free_pages_.push_back(page);
+  sequences_.erase(it);
+  return absl::OkStatus();
+}
+
+int64_t PagedKvCache::Length(int64_t seq_id) const {
+  auto it = sequences_.find(seq_id);
+  return it == sequences_.end() ? 0 : it->second.length;
+}
+
+absl::Status PagedKvCache::Reserve(int64_t seq_id, int64_t capacity) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  }
+  std::vector<int64_t>& pages = it->second.pages;
+  const int64_t page = options_.page_size_tokens;
+  const int64_t needed = (capacity + page - 1) / page - static_cast<int64_t>(pages.size());
+  if (needed <= 0) return absl::OkStatus();
+  if (needed > free_pages()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: sequence ", seq_id, " needs ", needed, " more pages for ", capacity,
+        " positions but ", free_pages(), " of ", options_.num_pages,
+        " are free (raise kv_cache.num_pages)"));
+  }
+  for (int64_t i = 0; i < needed; ++i) {
+    pages.push_back(free_pages_.back());
+    free_pages_.pop_back();
+  }
+  return absl::OkStatus();
+}
+
+void PagedKvCache::SetLength(int64_t seq_id, int64_t length) {
+  auto it = sequences_.find(seq_id);
+  EXL3_CHECK(it != sequences_.end()) << "unknown sequence " << seq_id;
+  EXL3_CHECK(length >= 0 && length <= static_cast<int64_t>(it->second.pages.size()) *
+                                           options_.page_size_tokens)
+      << "length " << length << " beyond reserved pages";
+  it->second.length = length;
+}
+
+void PagedKvCache::Write(int64_t seq_id, int layer, int64_t start, int64_t count, const float* k,
+                         const float* v) {
+  const Sequence& seq = Get(seq_id);
+  const int64_t page_size = options_.page_size_tokens;
+  EXL3_CHECK(layer >= 0 && layer < shape_.num_layers && start >= 0 &&
+             start + count <= static_cast<int64_t>(seq.pages.size()) * page_size)
+      << "write of [" << start << ", " << start + count << ") beyond reserved pages";
+  const int hd = shape_.head_dim;
+  std::vector<int8_t> q(hd);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t pos = start + t;
+    const int64_t page = seq.pages[pos / page_size];
+    const int64_t slot = pos % page_size;
+    for (int which = 0; which < 2; ++which) {
+      const float* src = (which == 0 ? k : v) + t * shape_.num_kv_heads * hd;
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        uint8_t* entry = EntryPtr(page, layer, which, slot, h);
+        const float* x = src + int64_t{h} * hd;
+        switch (options_.dtype) {
+          case KvCacheDtype::kFp32:
+            std::memcpy(entry, x, sizeof(float) * hd);
+            break;
+          case KvCacheDtype::kFp16:
+            StoreFp16(x, hd, entry);
+            break;
+          case KvCacheDtype::kInt8: {
+            const float scale = QuantizeSymmetric(x, hd, 127, q.data());
+            std::memcpy(entry, &scale, kScaleBytes);
+            std::memcpy(entry + kScaleBytes, q.data(), hd);
+            break;
+          }
+          case KvCacheDtype::kInt4: {
+            const float scale = QuantizeSymmetric(x, hd, 7, q.data());
+            std::memcpy(entry, &scale, kScaleBytes);
+            for (int i = 0; i < hd; i += 2) {
+              entry[kScaleBytes + i / 2] = static_cast<uint8_t>((q[i] + 8) | ((q[i + 1] + 8) << 4));
+            }
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+void PagedKvCache::Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k,
+                        float* v) const {
+  const Sequence& seq = Get(seq_id);
+  const int64_t page_size = options_.page_size_tokens;
+  EXL3_CHECK(layer >= 0 && layer < shape_.num_layers && begin >= 0 && begin <= end &&
+             end <= static_cast<int64_t>(seq.pages.size()) * page_size)
+      << "read of [" << begin << ", " << end << ") beyond reserved pages";
+  const int hd = shape_.head_dim;
+  for (int64_t pos = begin; pos < end; ++pos) {
+    const int64_t page = seq.pages[pos / page_size];
+    const int64_t slot = pos % page_size;
+    for (int which = 0; which < 2; ++which) {
+      float* dst = (which == 0 ? k : v) + (pos - begin) * shape_.num_kv_heads * hd;
+      for (int h = 0; h < shape_.num_kv_heads; ++h) {
+        const uint8_t* entry = EntryPtr(page, layer, which, slot, h);
+        float* x = dst + int64_t{h} * hd;
+        if (options_.dtype == KvCacheDtype::kFp32) {
+          std::memcpy(x, entry, sizeof(float) * hd);
+          continue;
+        }
+        if (options_.dtype == KvCacheDtype::kFp16) {
+          LoadFp16(entry, hd, x);
+          continue;
+        }
+        float scale;
+        std::memcpy(&scale, entry, kScaleBytes);
+        const uint8_t* data = entry + kScaleBytes;
+        if (options_.dtype == KvCacheDtype::kInt8) {
+          for (int i = 0; i < hd; ++i) x[i] = scale * static_cast<float>(static_cast<int8_t>(data[i]));
+        } else {
+          for (int i = 0; i < hd; i += 2) {
+            x[i] = scale * static_cast<float>((data[i / 2] & 0xF) - 8);
+            x[i + 1] = scale * static_cast<float>((data[i / 2] >> 4) - 8);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace exl3serve::worker

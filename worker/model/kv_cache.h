@@ -1,0 +1,119 @@
+// worker/model/kv_cache.h — the paged key/value cache of one model: a pool of
+// fixed-size pages (page_size_tokens positions of every layer's keys and
+// values), a page table per sequence, and the storage format of the entries.
+//
+//   KvCacheOptions options;  options.num_pages = 64;  options.dtype = KvCacheDtype::kInt8;
+//   EXL3_ASSIGN_OR_RETURN(auto cache, PagedKvCache::Create({layers, kv_heads, head_dim}, options));
+//   EXL3_RETURN_IF_ERROR(cache->AddSequence(7));
+//   EXL3_RETURN_IF_ERROR(cache->Reserve(7, 20));          // room for positions 0..19
+//   cache->Write(7, layer, 0, 20, k, v);                  // per layer
+//   cache->Read(7, layer, 0, 20, k_out, v_out);           // dequantized
+//   cache->SetLength(7, 20);                              // commit
+//
+// Storage per (position, kv head): head_dim values as
+//   kFp32 — exact (twice the memory of fp16; for reference runs);
+//   kFp16 — IEEE half (round to nearest even);
+//   kInt8 — symmetric int8, one fp32 scale absmax/127, q = round(x/scale);
+//   kInt4 — symmetric 4-bit in [-7, 7] (two per byte), one fp32 scale absmax/7.
+// Reading returns exactly the stored values converted to float, so a position
+// reads back the same whether it was written in a chunk or alone.
+#ifndef EXL3SERVE_WORKER_MODEL_KV_CACHE_H_
+#define EXL3SERVE_WORKER_MODEL_KV_CACHE_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+
+namespace exl3serve::worker {
+
+enum class KvCacheDtype { kFp32, kFp16, kInt8, kInt4 };
+
+// 32, 16, 8, 4 -> dtype (the --kv-bits spellings). InvalidArgument otherwise.
+absl::StatusOr<KvCacheDtype> KvCacheDtypeFromBits(int bits);
+
+struct KvCacheShape {
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+};
+
+struct KvCacheOptions {
+  // Positions per page. 16 keeps the tail waste of a sequence under 16
+  // positions while a page of a 64-head x 128 fp16 layer is still 256 KiB.
+  int page_size_tokens = 16;
+  // Pages in the pool; a sequence of L positions holds ceil(L / page) pages.
+  int64_t num_pages = 256;
+  KvCacheDtype dtype = KvCacheDtype::kFp16;
+};
+
+// Thread safety: thread-compatible; the worker's step thread owns it. Write
+// and Read of different (sequence, layer) pairs may run concurrently.
+// Ownership: owns its page pool.
+class PagedKvCache {
+ public:
+  // Errors: InvalidArgument for a non-positive dimension, page size or page
+  // count, or an odd head_dim with kInt4. Cost: allocates the whole pool.
+  static absl::StatusOr<PagedKvCache> Create(const KvCacheShape& shape,
+                                             const KvCacheOptions& options);
+
+  const KvCacheShape& shape() const { return shape_; }
+  const KvCacheOptions& options() const { return options_; }
+  int64_t free_pages() const { return static_cast<int64_t>(free_pages_.size()); }
+  int64_t bytes_per_page() const { return bytes_per_page_; }
+
+  // AlreadyExists when `seq_id` is in use.
+  absl::Status AddSequence(int64_t seq_id);
+  // Returns the sequence's pages to the pool. NotFound for an unknown id.
+  absl::Status RemoveSequence(int64_t seq_id);
+  bool HasSequence(int64_t seq_id) const { return sequences_.contains(seq_id); }
+  // Committed positions of the sequence (0 for an unknown id).
+  int64_t Length(int64_t seq_id) const;
+
+  // Makes positions [0, capacity) writable, taking pages from the pool.
+  // Errors: NotFound for an unknown id; ResourceExhausted (naming the pages
+  // needed and free; kv_cache.num_pages changes it) when the pool is short;
+  // then nothing is taken.
+  absl::Status Reserve(int64_t seq_id, int64_t capacity);
+
+  // Stores keys and values of positions [start, start + count) of `layer`;
+  // k and v are [count][num_kv_heads][head_dim]. Requires: the sequence
+  // exists and has reserved start + count positions (CHECKed).
+  void Write(int64_t seq_id, int layer, int64_t start, int64_t count, const float* k,
+             const float* v);
+
+  // Reads positions [begin, end) of `layer` into k and v, laid out as in
+  // Write. Requires: the positions are reserved (CHECKed) and were written.
+  void Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k, float* v) const;
+
+  // Sets the committed length. Requires: length <= reserved capacity.
+  void SetLength(int64_t seq_id, int64_t length);
+
+ private:
+  struct Sequence {
+    std::vector<int64_t> pages;
+    int64_t length = 0;
+  };
+  PagedKvCache() = default;
+  // Bytes of one (position, head) entry's values, excluding the scale.
+  int64_t EntryBytes() const;
+  // EntryBytes() plus the fp32 scale of the int formats.
+  int64_t EntryStride() const;
+  uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head);
+  const uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head) const;
+  const Sequence& Get(int64_t seq_id) const;
+
+  KvCacheShape shape_;
+  KvCacheOptions options_;
+  int64_t bytes_per_page_ = 0;
+  // Page layout: [layer][k|v][slot][head] entries of EntryStride() bytes
+  // (int formats: the fp32 scale, then the values).
+  std::vector<uint8_t> pool_;
+  std::vector<int64_t> free_pages_;
+  absl::flat_hash_map<int64_t, Sequence> sequences_;
+};
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_MODEL_KV_CACHE_H_

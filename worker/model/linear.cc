@@ -1,0 +1,153 @@
+#include "worker/model/linear.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "kernels/cpu/thread_pool.h"
+#include "kernels/trellis_gemm.h"
+#include "sharding/exl3_model.h"
+
+namespace exl3serve::worker {
+namespace {
+
+// Output rows of w handled per thread-pool task: 32 rows of a 4096-wide
+// weight are 512 KiB, which stays in L2 while every x row passes over them.
+constexpr int64_t kDenseRowsPerTask = 32;
+
+// Eight independent partial sums (the compiler maps them onto SIMD lanes
+// without reassociating anything), combined in a fixed order.
+inline float Dot(const float* a, const float* b, int64_t k) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= k; j += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += a[j + l] * b[j + l];
+  }
+  for (int l = 0; j < k; ++j, ++l) acc[l] += a[j] * b[j];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+absl::StatusOr<std::vector<float>> LoadBias(const sharding::Exl3Model& model,
+                                            const std::string& name, int64_t out) {
+  const sharding::PlainTensorInfo* info = model.FindPlain(name);
+  if (info == nullptr) return std::vector<float>();
+  if (info->shape.size() != 1 || info->shape[0] < out) {
+    return absl::DataLossError(absl::StrCat(model.dir(), ": tensor `", name,
+                                            "` must be 1-d with at least ", out, " elements"));
+  }
+  EXL3_ASSIGN_OR_RETURN(std::vector<float> bias, model.LoadTensorAsFloat(name));
+  bias.resize(out);
+  return bias;
+}
+
+}  // namespace
+
+void DenseGemmTransposed(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+                         const float* bias, float* y) {
+  const int64_t tasks = (n + kDenseRowsPerTask - 1) / kDenseRowsPerTask;
+  kernels::cpu::SharedThreadPool().ParallelFor(tasks, 0, [&](int64_t task, int) {
+    const int64_t o0 = task * kDenseRowsPerTask;
+    const int64_t o1 = std::min(n, o0 + kDenseRowsPerTask);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* xi = x + i * k;
+      float* yi = y + i * n;
+      for (int64_t o = o0; o < o1; ++o) {
+        const float dot = Dot(xi, w + o * k, k);
+        yi[o] = bias != nullptr ? dot + bias[o] : dot;
+      }
+    }
+  });
+}
+
+absl::StatusOr<Linear> Linear::Load(const sharding::Exl3Model& model, std::string_view key_view,
+                                    int64_t in_features, int64_t out_features) {
+  const std::string key(key_view);
+  if (const sharding::Exl3LinearInfo* info = model.FindLinear(key_view)) {
+    if (info->k < in_features || info->n < out_features) {
+      return absl::DataLossError(absl::StrCat(model.dir(), ": EXL3 linear `", key, "` holds ",
+                                              info->k, " x ", info->n, ", smaller than ",
+                                              in_features, " x ", out_features));
+    }
+    Linear linear;
+    linear.in_ = in_features;
+    linear.out_ = out_features;
+    linear.quantized_ = true;
+    EXL3_ASSIGN_OR_RETURN(linear.exl3_, model.LoadLinear(key_view));
+    return linear;
+  }
+  EXL3_ASSIGN_OR_RETURN(Linear linear, LoadPlain(model, key + ".weight", in_features, out_features));
+  EXL3_ASSIGN_OR_RETURN(linear.bias_, LoadBias(model, key + ".bias", out_features));
+  return linear;
+}
+
+absl::StatusOr<Linear> Linear::LoadPlain(const sharding::Exl3Model& model,
+                                         std::string_view weight_name_view, int64_t in_features,
+                                         int64_t out_features) {
+  const std::string weight_name(weight_name_view);
+  const sharding::PlainTensorInfo* info = model.FindPlain(weight_name_view);
+  if (info == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(model.dir(), ": no tensor `", weight_name, "` (nor an EXL3 linear)"));
+  }
+  if (info->shape.size() != 2 || info->shape[0] < out_features || info->shape[1] < in_features) {
+    std::string shape;
+    for (int64_t d : info->shape) absl::StrAppend(&shape, shape.empty() ? "" : ",", d);
+    return absl::DataLossError(absl::StrCat(model.dir(), ": tensor `", weight_name,
+                                            "` has shape [", shape, "], expected at least [",
+                                            out_features, ",", in_features, "]"));
+  }
+  EXL3_ASSIGN_OR_RETURN(std::vector<float> stored, model.LoadTensorAsFloat(weight_name_view));
+  const int64_t stride = info->shape[1];
+  if (stride != in_features || info->shape[0] != out_features) {
+    std::vector<float> cut(static_cast<size_t>(out_features * in_features));
+    for (int64_t o = 0; o < out_features; ++o) {
+      std::memcpy(&cut[o * in_features], &stored[o * stride], sizeof(float) * in_features);
+    }
+    stored = std::move(cut);
+  }
+  return FromDense(std::move(stored), in_features, out_features, {});
+}
+
+Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
+                         std::vector<float> bias) {
+  EXL3_CHECK(static_cast<int64_t>(weight.size()) == in_features * out_features)
+      << weight.size() << " != " << in_features << " x " << out_features;
+  EXL3_CHECK(bias.empty() || static_cast<int64_t>(bias.size()) == out_features);
+  Linear linear;
+  linear.in_ = in_features;
+  linear.out_ = out_features;
+  linear.weight_ = std::move(weight);
+  linear.bias_ = std::move(bias);
+  return linear;
+}
+
+absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
+  if (m == 0) return absl::OkStatus();
+  if (!quantized_) {
+    DenseGemmTransposed(x, m, in_, weight_.data(), out_, bias_.empty() ? nullptr : bias_.data(),
+                        y);
+    return absl::OkStatus();
+  }
+  const int64_t k = exl3_.k, n = exl3_.n;
+  const float* input = x;
+  std::vector<float> padded_x;
+  if (k != in_) {
+    padded_x.assign(static_cast<size_t>(m * k), 0.0f);
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(&padded_x[i * k], x + i * in_, sizeof(float) * in_);
+    }
+    input = padded_x.data();
+  }
+  if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y);
+  std::vector<float> padded_y(static_cast<size_t>(m * n));
+  EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data()));
+  for (int64_t i = 0; i < m; ++i) {
+    std::memcpy(y + i * out_, &padded_y[i * n], sizeof(float) * out_);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace exl3serve::worker

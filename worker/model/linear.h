@@ -1,0 +1,84 @@
+// worker/model/linear.h — one linear layer of a model, whichever way it is
+// stored: an EXL3 quantized linear (run with kernels::TrellisGemm) or a plain
+// bf16/fp16/fp32 weight (held as fp32, run with a blocked fp32 GEMM), so EXL3
+// directories and ordinary Hugging Face checkpoints run through the same code.
+//
+//   EXL3_ASSIGN_OR_RETURN(Linear q, Linear::Load(model, "model.layers.0.self_attn.q_proj",
+//                                                hidden, q_out));
+//   q.Forward(x, m, y);   // y[m x out] = x[m x in] · Wᵀ + bias
+//
+// Widths are the model's own (unpadded): an EXL3 linear stores k, n padded to
+// multiples of 128, so Forward zero-extends inputs to k and drops the padded
+// output columns.
+#ifndef EXL3SERVE_WORKER_MODEL_LINEAR_H_
+#define EXL3SERVE_WORKER_MODEL_LINEAR_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/reconstruct.h"
+
+namespace exl3serve::sharding {
+class Exl3Model;
+}
+
+namespace exl3serve::worker {
+
+// Thread safety: immutable after Load; Forward is const and thread-safe.
+// Ownership: owns its weights (copied out of the checkpoint's memory map).
+class Linear {
+ public:
+  Linear() = default;
+
+  // Loads module `key`: `key`.trellis (EXL3) if present, else `key`.weight
+  // ([out', in'] with out' >= out, in' >= in; a padded plain weight is cut to
+  // [out, in]). `key`.bias is used when present (EXL3: part of the linear).
+  // Errors: NotFound naming the tensor when neither exists; DataLoss for a
+  // shape smaller than [out, in], a 1-d weight, or a bias of the wrong length.
+  static absl::StatusOr<Linear> Load(const sharding::Exl3Model& model, std::string_view key,
+                                     int64_t in_features, int64_t out_features);
+
+  // The same from a plain weight tensor of another name (a tied lm_head reads
+  // model.embed_tokens.weight). Errors as Load.
+  static absl::StatusOr<Linear> LoadPlain(const sharding::Exl3Model& model,
+                                          std::string_view weight_name, int64_t in_features,
+                                          int64_t out_features);
+
+  // A plain linear from an fp32 weight [out][in] (HF orientation) and an
+  // optional bias (empty = none). Requires: sizes match.
+  static Linear FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
+                          std::vector<float> bias);
+
+  int64_t in_features() const { return in_; }
+  int64_t out_features() const { return out_; }
+  bool quantized() const { return quantized_; }
+  // The fp32 weight [out][in] of a plain linear; nullptr for an EXL3 one.
+  const float* dense_weight() const { return quantized_ ? nullptr : weight_.data(); }
+
+  // y = x · Wᵀ + bias for m rows; x is m x in, y is m x out, row-major.
+  // Errors: those of kernels::TrellisGemm (a broken EXL3 linear). y is
+  // unspecified on error. Requires: y does not alias x. Cost: O(m·in·out);
+  // an EXL3 linear with padding allocates m·(k + n) floats.
+  absl::Status Forward(const float* x, int64_t m, float* y) const;
+
+ private:
+  int64_t in_ = 0;
+  int64_t out_ = 0;
+  bool quantized_ = false;
+  kernels::Exl3LinearData exl3_;  // quantized_: padded k x n
+  std::vector<float> weight_;     // !quantized_: [out][in]
+  std::vector<float> bias_;       // !quantized_: [out] or empty
+};
+
+// y[m x n] = x[m x k] · wᵀ (+ bias[n] when non-null), w row-major [n][k],
+// fp32 accumulation; rows of w are spread over the shared CPU thread pool.
+// Deterministic: each output's sum order depends only on k.
+void DenseGemmTransposed(const float* x, int64_t m, int64_t k, const float* w, int64_t n,
+                         const float* bias, float* y);
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_MODEL_LINEAR_H_

@@ -1,0 +1,74 @@
+// worker/model/model_config.h — everything the forward pass needs to know
+// about a decoder-only model beyond its list of linears: norm epsilon, RoPE
+// (theta, scaling), sliding window, per-head q/k norms, MoE routing rule and
+// the special token ids, read from config.json (+ generation_config.json).
+//
+//   EXL3_ASSIGN_OR_RETURN(ModelConfig config, ModelConfigFromJson(config_json));
+//   std::vector<double> inv_freq = RopeInverseFrequencies(config);
+//
+// Model equations are those of the Hugging Face implementations of
+// LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+// MixtralForCausalLM and Qwen3MoeForCausalLM.
+#ifndef EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
+#define EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json_fwd.hpp"
+#include "sharding/model_arch.h"
+
+namespace exl3serve::worker {
+
+enum class RopeScalingType {
+  kNone,    // rope_scaling absent, null or "default"
+  kLinear,  // positions divided by `factor` (inverse frequencies / factor)
+  kLlama3,  // Llama 3.1: per-frequency interpolation between 1 and 1/factor
+};
+
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::kNone;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;                  // llama3 only
+  double high_freq_factor = 4.0;                 // llama3 only
+  int64_t original_max_position_embeddings = 0;  // llama3 only
+};
+
+// How the top-k router weights of an MoE layer are turned into mixing weights
+// (softmax over all experts first, in both cases).
+enum class MoeTopKWeights {
+  kRenormalized,  // divided by their sum (Mixtral; Qwen3-MoE with norm_topk_prob)
+  kRaw,           // the softmax probabilities as they are (Qwen3-MoE otherwise)
+};
+
+struct ModelConfig {
+  sharding::ModelArch arch;  // dimensions, layer kinds, the linears
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  // Keys at positions j with i - j < sliding_window are visible to the query
+  // at i; 0 = unlimited. Honoured for Llama/Mistral/Mixtral.
+  int64_t sliding_window = 0;
+  bool qk_norm = false;  // Qwen3 / Qwen3-MoE: RMSNorm per head on q and k before RoPE
+  MoeTopKWeights moe_topk_weights = MoeTopKWeights::kRenormalized;
+  int32_t bos_token_id = -1;            // -1: none
+  std::vector<int32_t> eos_token_ids;   // config.json and generation_config.json, merged
+};
+
+// Reads `config` (a parsed config.json). `generation_config` may be null or a
+// parsed generation_config.json; its eos_token_id (int or list) is added.
+// Errors: those of sharding::ModelArchFromConfig; InvalidArgument naming the
+// key for a bad rms_norm_eps, rope_theta, rope_scaling or sliding_window;
+// Unimplemented for a rope_scaling type other than default/linear/llama3, a
+// hidden_act other than silu, or Qwen's use_sliding_window = true.
+absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
+                                                const nlohmann::json* generation_config);
+
+// The head_dim/2 RoPE inverse frequencies θ^(-2i/head_dim), with the scaling
+// applied. The angle of pair i at position p is p · inv_freq[i].
+std::vector<double> RopeInverseFrequencies(const ModelConfig& config);
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_

@@ -1,0 +1,98 @@
+// worker/model/sampler.h — turns one row of logits into the next token of a
+// request: penalties, temperature, top-k / top-p / min-p filtering, a seeded
+// draw, and the chosen token's log-probability on request.
+//
+//   EXL3_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(params, prompt_ids));
+//   SampledToken t = sampler.Sample(logits_row);   // also records t.id as output
+//
+// Order of operations (that of Hugging Face's logits processors; penalties as
+// in HF (repetition) and the OpenAI API (presence, frequency)):
+//   1. repetition: for every distinct token of prompt + output so far,
+//      z > 0 ? z / repetition_penalty : z · repetition_penalty;
+//   2. z -= frequency_penalty · count + presence_penalty · [count > 0], count
+//      over the output tokens only;
+//   3. temperature 0: greedy (argmax, lowest id on ties) — nothing below applies;
+//      otherwise z / temperature, p = softmax(z);
+//   4. top-k: keep the k most probable (lowest id first on ties);
+//   5. top-p: in descending probability, keep a token while the mass before it
+//      (over the tokens still kept) is < top_p;
+//   6. min-p: keep tokens with p >= min_p · max p;
+//   7. draw from the kept tokens with p renormalised, u = 53 bits of a
+//      mt19937_64 seeded per request.
+// Log-probabilities are those of the raw logits (log-softmax before any
+// step above), as the OpenAI API reports them.
+#ifndef EXL3SERVE_WORKER_MODEL_SAMPLER_H_
+#define EXL3SERVE_WORKER_MODEL_SAMPLER_H_
+
+#include <cstdint>
+#include <optional>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+
+namespace exl3serve::worker {
+
+struct SamplingParams {
+  float temperature = 1.0f;          // >= 0; 0 = greedy
+  int top_k = 0;                     // >= 0; 0 = off
+  float top_p = 1.0f;                // (0, 1]; 1 = off
+  float min_p = 0.0f;                // [0, 1]; 0 = off
+  float repetition_penalty = 1.0f;   // > 0; 1 = off
+  float presence_penalty = 0.0f;     // [-2, 2]
+  float frequency_penalty = 0.0f;    // [-2, 2]
+  std::optional<uint64_t> seed;      // none: seeded from std::random_device
+  bool logprobs = false;             // report the chosen token's log-probability
+  int top_logprobs = 0;              // and the n most likely tokens' (0..20)
+};
+
+// InvalidArgument naming the field, its rule and the value for any field out
+// of the ranges above (NaN included).
+absl::Status ValidateSamplingParams(const SamplingParams& params);
+
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0.0f;
+};
+
+struct SampledToken {
+  int32_t id = 0;
+  float logprob = 0.0f;                   // when params.logprobs
+  std::vector<TokenLogprob> top_logprobs;  // params.top_logprobs entries, descending
+};
+
+// Thread safety: thread-compatible (one per request).
+// Ownership: owns its token counts and RNG.
+class Sampler {
+ public:
+  // Errors: those of ValidateSamplingParams. `prompt` feeds the repetition penalty.
+  static absl::StatusOr<Sampler> Create(const SamplingParams& params,
+                                        std::span<const int32_t> prompt);
+
+  // Draws the next token from `logits` (one row, vocab entries) and records
+  // it as an output token. Requires: logits non-empty.
+  SampledToken Sample(std::span<const float> logits);
+
+  // The distribution step 7 draws from (steps 1-6; one-hot for greedy), as
+  // probabilities over the whole vocabulary. Does not change state.
+  std::vector<double> Distribution(std::span<const float> logits) const;
+
+  // Records `id` as an output token without sampling (forced tokens).
+  void Accept(int32_t id);
+
+ private:
+  Sampler() = default;
+  // Steps 1-2 applied to a copy of logits.
+  std::vector<double> PenalizedLogits(std::span<const float> logits) const;
+
+  SamplingParams params_;
+  absl::flat_hash_map<int32_t, int> seen_;          // prompt + output tokens (presence only)
+  absl::flat_hash_map<int32_t, int> output_counts_;  // output tokens
+  std::mt19937_64 rng_;
+};
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_MODEL_SAMPLER_H_
