@@ -4,6 +4,10 @@
 //
 // Two paths per 128-column block (crossover kGemvMaxRows, measured below):
 //
+// mul1 K <= 4 on VBMI2 CPUs uses the column-sliced GEMV of
+// trellis_gemm_gemv_avx512icl.cc instead (3 cycles / 16 weights for kInt8);
+// the GEMV below serves the other codebooks, K >= 5 and CPUs without VBMI2.
+//
 // GEMV (m small): the trellis is decoded in registers, 16 positions per zmm,
 // and multiplied straight into position-order accumulators. Positions
 // 32p..32p+31 of a tile are all 16 rows of columns p and p+8 (§3.2), so the
@@ -42,6 +46,7 @@
 #include <utility>
 
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/trellis_gemm_avx512_inl.h"
 #include "kernels/cpu/trellis_gemm_internal.h"
 #include "kernels/trellis_pack.h"
 
@@ -186,24 +191,7 @@ inline __m512 HalfPairSum(__m512i x) {
   return _mm512_add_ps(lo, hi);  // exact (§4.4)
 }
 
-// mul1 weight from t: exact v = (1774 t - 905216)·2^-18, then RNE to fp16
-// precision without leaving fp32 (Veltkamp split with 2^13 + 1: c = 8193·v,
-// hi = c - (c - v) keeps the top 11 significant bits, round-to-nearest-even;
-// |v| >= 476·2^-18 so no fp16 subnormal is reachable). Verified for all 1021
-// t against vcvtps2ph (Mul1WeightsForTest, trellis_gemm_test.cc). Embedded
-// rounding forms so the compiler can never contract them into an FMA.
-// `tbits` holds the float with bit pattern 0x4B000000 + t (= 2^23 + t), which
-// vpdpbusd produces for free when its accumulator starts at 0x4B000000;
-// v = (2^23 + t)·A + kMul1MagicOffset is exact (-3.453125 - 2^23·A = -7266746·2^-7).
-// 4 uops (fma, mul, sub, sub; all p05) vs cvtdq2ps + fma + vcvtps2ph (2) +
-// vcvtph2ps (2) = 6 uops, 3 of them on p0.
-inline __m512 Mul1WeightFromMagic(__m512 tbits) {
-  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m512 v = _mm512_fmadd_round_ps(tbits, _mm512_set1_ps(internal::kMul1Slope),
-                                         _mm512_set1_ps(internal::kMul1MagicOffset), kRound);
-  const __m512 c = _mm512_mul_round_ps(v, _mm512_set1_ps(8193.0f), kRound);
-  return _mm512_sub_round_ps(c, _mm512_sub_round_ps(c, v, kRound), kRound);
-}
+using avx512_inl::Mul1WeightFromMagic;  // exact fp16-rounded mul1 weight (see there)
 
 // mul1 weight of the product x = s·0x83DCD12D.
 template <bool kVnni>
@@ -461,6 +449,19 @@ template <int K, Codebook kCb, bool kVnni>
 void ColumnBlockFor(const TrellisGemmProblem& pr, int64_t block) {
   const int64_t n0 = block * internal::kColumnBlock;
   const int64_t m = pr.m;
+  if constexpr (kCb == Codebook::kMul1 && K <= 4 && kVnni) {
+    // VBMI/VBMI2 CPUs: the column-sliced GEMV (trellis_gemm_gemv_avx512icl.cc).
+    if (avx512icl::Enabled()) {
+      if (pr.precision == TrellisGemmPrecision::kInt8) {
+        avx512icl::Mul1GemvBlockFn(K, true)(pr, block);
+        return;
+      }
+      if (m <= kGemvMaxRows) {
+        avx512icl::Mul1GemvBlockFn(K, false)(pr, block);
+        return;
+      }
+    }
+  }
   if constexpr (kCb == Codebook::kMul1) {
     if (pr.precision == TrellisGemmPrecision::kInt8) {
       int64_t i = 0;

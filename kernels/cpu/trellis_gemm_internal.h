@@ -56,6 +56,9 @@ struct TrellisGemmProblem {
   // kInt8: m x (k/16) x 32 words, the int8 of x'[i][16·tk + GroupPositionRow(e)]/scale
   // replicated into all four bytes; x_scale[i], x_int_sum[i] = Σ_r int8 of x'[i][r].
   const uint32_t* x_pos_i8 = nullptr;
+  // kInt8: m x (k/16) x 8 words, word s = bytes [q(2s), q(2s), q(2s+1), q(2s+1)]
+  // with q(r) the int8 of x'[i][16·tk + r] (the AVX-512 VBMI2 GEMV's slices).
+  const uint32_t* x_pair_i8 = nullptr;
   const float* x_scale = nullptr;
   const int32_t* x_int_sum = nullptr;
   float* y = nullptr;  // m x n
@@ -85,6 +88,18 @@ namespace exl3serve::kernels::cpu::avx2 {
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block);
 void Mul1WeightsForTest(const int32_t* t, int64_t count, float* w);  // count % 8 == 0
 }  // namespace exl3serve::kernels::cpu::avx2
+namespace exl3serve::kernels::cpu::avx512icl {
+// trellis_gemm_gemv_avx512icl.cc: the mul1 GEMV for K <= 4 on CPUs with
+// AVX512-VBMI/VBMI2/VNNI. Supported() checks the CPU; Mul1GemvBlockFn
+// returns null for K > 4. The returned function handles any m (kFloat reads
+// x_had, kInt8 reads x_pair_i8).
+bool Supported();
+internal::ColumnBlockFn Mul1GemvBlockFn(int bits, bool int8);
+// Test hook: false makes the AVX-512 variant fall back to its 32-bit-lane
+// GEMV (the path of AVX-512 CPUs without VBMI2), so tests cover both.
+void SetEnabledForTest(bool enabled);
+bool Enabled();  // Supported() and not disabled for a test
+}  // namespace exl3serve::kernels::cpu::avx512icl
 namespace exl3serve::kernels::cpu::avx512 {
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block);
 // Test hook: the SIMD mul1 weight (t -> fp32 value of the fp16 weight) the

@@ -258,6 +258,33 @@ TEST(TrellisGemmTest, Int8PathIsCloseToFloatAndIdenticalAcrossVariants) {
   }
 }
 
+// The AVX-512 variant has two mul1 GEMV paths for K <= 4: the column-sliced
+// one (VBMI/VBMI2 CPUs, trellis_gemm_gemv_avx512icl.cc, what the tests above
+// run here) and the 32-bit-lane one (AVX-512 CPUs without VBMI2). Run the
+// latter too, against scalar (kFloat) and bit for bit (kInt8), odd m.
+TEST(TrellisGemmTest, Avx512FallbackGemvWithoutVbmi2MatchesScalar) {
+  if (!cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512";
+  if (!cpu::avx512icl::Supported()) GTEST_SKIP() << "no VBMI2: the fallback is the only path";
+  std::mt19937 rng(TestSeed());
+  cpu::avx512icl::SetEnabledForTest(false);
+  for (int bits = 1; bits <= 4; ++bits) {
+    const Exl3LinearData d = RandomLinear(rng, 256, 384, bits, Codebook::kMul1, true);
+    const Exl3LinearView view = d.view();
+    for (int64_t m : {1, 3, 5, 7}) {
+      const std::vector<float> x = RandomInput(rng, m, view.k);
+      const std::string what = "K=" + std::to_string(bits) + " m=" + std::to_string(m);
+      ExpectClose(view, x, m, RunGemm(&cpu::avx512::TrellisGemm, view, x, m),
+                  RunGemm(&cpu::scalar::TrellisGemm, view, x, m), kFloatTol, what);
+      TrellisGemmOptions int8;
+      int8.precision = TrellisGemmPrecision::kInt8;
+      const std::vector<float> got = RunGemm(&cpu::avx512::TrellisGemm, view, x, m, int8);
+      const std::vector<float> want = RunGemm(&cpu::scalar::TrellisGemm, view, x, m, int8);
+      EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float))) << what;
+    }
+  }
+  cpu::avx512icl::SetEnabledForTest(true);
+}
+
 // The SIMD mul1 weight formula (Veltkamp RNE in fp32, no fp16 conversion)
 // against the fp16 table value, exhaustively over every byte sum t.
 TEST(TrellisGemmTest, SimdMul1WeightIsExactForEveryByteSum) {
