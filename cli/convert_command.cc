@@ -8,7 +8,10 @@
 #include "cli/commands.h"
 #include "cli/report_table.h"
 #include "kernels/trellis_lut.h"
+#include "common/status_macros.h"
+#include "coordinator/tokenizer/tokenizer.h"
 #include "sharding/converter.h"
+#include "worker/model/calibration.h"
 
 namespace exl3serve::cli {
 
@@ -35,10 +38,53 @@ CommandRunner RegisterConvertCommand(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_flag("--resume", opt->resume, "continue an interrupted conversion in --out");
+  struct Calibration {
+    std::string file;
+    int64_t tokens_per_sequence = 2048;
+    int64_t max_sequences = 250;
+  };
+  auto calib = std::make_shared<Calibration>();
+  app.add_option("--calib", calib->file,
+                 "calibration data: a JSON array of token ids (or of arrays), or text tokenized "
+                 "with the model's tokenizer.json; enables block-LDL error feedback");
+  app.add_option("--calib-cols", calib->tokens_per_sequence, "tokens per calibration sequence")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--calib-rows", calib->max_sequences, "maximum calibration sequences")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   app.add_flag("--no-progress", [opt](int64_t) { opt->show_progress = false; },
                "no progress bar");
-  return [opt, codebook, out_scales, shard_mib]() -> absl::Status {
+  return [opt, codebook, out_scales, shard_mib, calib]() -> absl::Status {
     opt->max_shard_bytes = static_cast<uint64_t>(*shard_mib) << 20;
+    std::unique_ptr<worker::CalibrationHessians> hessians;
+    if (!calib->file.empty()) {
+      EXL3_ASSIGN_OR_RETURN(worker::CalibrationText data,
+                            worker::ReadCalibrationFile(calib->file));
+      std::vector<std::vector<int32_t>> sequences = std::move(data.sequences);
+      if (data.was_text) {
+        EXL3_ASSIGN_OR_RETURN(auto tokenizer, coordinator::Tokenizer::Load(opt->in_dir));
+        sequences = worker::SplitIntoSequences(tokenizer->Encode(data.text),
+                                               calib->tokens_per_sequence);
+      } else {
+        std::vector<std::vector<int32_t>> split;
+        for (const auto& seq : sequences) {
+          for (auto& part : worker::SplitIntoSequences(seq, calib->tokens_per_sequence)) {
+            split.push_back(std::move(part));
+          }
+        }
+        sequences = std::move(split);
+      }
+      if (static_cast<int64_t>(sequences.size()) > calib->max_sequences) {
+        sequences.resize(static_cast<size_t>(calib->max_sequences));
+      }
+      std::fprintf(stderr, "calibration: %zu sequences through %s\n", sequences.size(),
+                   opt->in_dir.c_str());
+      EXL3_ASSIGN_OR_RETURN(hessians, worker::CalibrationHessians::Collect(opt->in_dir, sequences));
+      std::fprintf(stderr, "calibration: %lld tokens captured\n",
+                   static_cast<long long>(hessians->tokens()));
+      opt->hessians = hessians.get();
+    }
     kernels::ParseCodebookName(*codebook, &opt->codebook);
     opt->out_scales = *out_scales == "never"  ? sharding::OutScalesMode::kNever
                       : *out_scales == "auto" ? sharding::OutScalesMode::kAuto

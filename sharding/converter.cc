@@ -23,6 +23,7 @@
 #include "nlohmann/json.hpp"
 #include "sharding/progress_bar.h"
 #include "sharding/quant/bit_allocation.h"
+#include "sharding/quant/hessian.h"
 #include "sharding/quant/quantize_linear.h"
 #include "sharding/safetensors.h"
 #include "sharding/safetensors_json.h"
@@ -442,22 +443,27 @@ absl::Status Converter::ConvertGroup(const ModuleGroup& group, int group_index,
     EXL3_ASSIGN_OR_RETURN(std::vector<float> w,
                           LoadPaddedWeight(*src_.ckpt, weight_name, spec->out_features,
                                            spec->in_features, n, k));
-    std::optional<std::vector<float>> hessian;
+    // Calibration (§6.2): pad the provider's averaged H with zero rows and
+    // columns for padded input channels, then damp and check it; a Hessian
+    // without data falls back to quantization without error feedback.
+    std::optional<quant::FinalizedHessian> hessian;
     if (opt_.hessians != nullptr) {
-      EXL3_ASSIGN_OR_RETURN(hessian, opt_.hessians->InputHessian(*spec));
-      if (hessian && static_cast<int64_t>(hessian->size()) !=
-                         spec->in_features * spec->in_features) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "hessian for `", spec->key, "` has ", hessian->size(), " values, expected ",
-            spec->in_features, "^2"));
-      }
-      if (hessian && k != spec->in_features) {  // zero rows/columns for padded inputs
-        std::vector<float> padded(static_cast<size_t>(k * k), 0.0f);
-        for (int64_t r = 0; r < spec->in_features; ++r) {
-          std::memcpy(&padded[r * k], &(*hessian)[r * spec->in_features],
-                      sizeof(float) * spec->in_features);
+      EXL3_ASSIGN_OR_RETURN(std::optional<HessianProvider::MeanHessian> mean,
+                            opt_.hessians->InputHessian(*spec));
+      if (mean && mean->count > 0) {
+        const int64_t in = spec->in_features;
+        if (static_cast<int64_t>(mean->h.size()) != in * in) {
+          return absl::InvalidArgumentError(absl::StrCat("hessian for `", spec->key, "` has ",
+                                                         mean->h.size(), " values, expected ",
+                                                         in, "^2"));
         }
-        hessian = std::move(padded);
+        std::vector<float> padded(static_cast<size_t>(k * k), 0.0f);
+        for (int64_t r = 0; r < in; ++r) {
+          std::memcpy(&padded[r * k], &mean->h[r * in], sizeof(float) * in);
+        }
+        EXL3_ASSIGN_OR_RETURN(quant::FinalizedHessian finalized,
+                              quant::FinalizeMeanHessian(std::move(padded), k, mean->count));
+        if (!finalized.fallback) hessian = std::move(finalized);
       }
     }
     quant::QuantizeLinearOptions qopt;
@@ -468,7 +474,7 @@ absl::Status Converter::ConvertGroup(const ModuleGroup& group, int group_index,
     // keeps every tensor's seed distinct and the run reproducible.
     qopt.seed = static_cast<uint64_t>(spec - src_.arch.linears.data());
     qopt.threads = threads_;
-    qopt.hessian = hessian ? hessian->data() : nullptr;
+    qopt.hessian = hessian ? hessian->h.data() : nullptr;
     const std::string detail = absl::StrCat(spec->key, " K=", report.bits);
     int64_t reported = 0;
     progress.SetDetail(detail);

@@ -37,16 +37,21 @@
 
 namespace exl3serve::sharding {
 
-// Supplies input Hessians (k x k, row-major, already divided by the token
-// count, not yet damped or rotated — exl3-format.md §6.2) for calibration.
+// Supplies input Hessians for calibration (exl3-format.md §6.2).
 // Thread safety: called from the converter's driver thread only.
 class HessianProvider {
  public:
+  // The averaged input Hessian of one linear: H = XᵀX / count over `count`
+  // calibration rows, in_features x in_features row-major (unpadded), not
+  // damped, not rotated. count == 0 (or an empty h) means "no data".
+  struct MeanHessian {
+    std::vector<float> h;
+    int64_t count = 0;
+  };
   virtual ~HessianProvider() = default;
-  // The Hessian of `linear`'s input (unpadded in_features square), or nullopt
-  // to quantize this linear without error feedback.
-  virtual absl::StatusOr<std::optional<std::vector<float>>> InputHessian(
-      const LinearSpec& linear) = 0;
+  // The Hessian of `linear`'s input, or nullopt to quantize this linear
+  // without error feedback (§6.6).
+  virtual absl::StatusOr<std::optional<MeanHessian>> InputHessian(const LinearSpec& linear) = 0;
 };
 
 using OutScalesMode = quant::OutScalesMode;  // §6.3 step 1: always | never | auto

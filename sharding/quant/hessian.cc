@@ -123,27 +123,41 @@ void RotateHessian(float* h, const float* scale, int64_t k) {
 
 absl::StatusOr<FinalizedHessian> FinalizeHessian(const HessianAccumulator& acc,
                                                  const HessianOptions& options, WorkerPool* pool) {
+  const int64_t k = acc.k();
+  std::vector<float> h;
+  if (acc.count() > 0) {
+    const double inv_count = 1.0 / static_cast<double>(acc.count());
+    h.resize(static_cast<size_t>(k * k));
+    for (int64_t i = 0; i < k * k; ++i) h[i] = static_cast<float>(acc.sum()[i] * inv_count);
+  }
+  return FinalizeMeanHessian(std::move(h), k, acc.count(), options, pool);
+}
+
+absl::StatusOr<FinalizedHessian> FinalizeMeanHessian(std::vector<float> h, int64_t k,
+                                                     int64_t count, const HessianOptions& options,
+                                                     WorkerPool* pool) {
   if (!(options.sigma_reg > 0.0) || options.max_retries < 0) {
     return absl::InvalidArgumentError("hessian: sigma_reg must be > 0 and max_retries >= 0, got " +
                                       std::to_string(options.sigma_reg) + " and " +
                                       std::to_string(options.max_retries));
   }
   FinalizedHessian out;
-  const int64_t k = acc.k();
-  if (acc.count() == 0) {
+  if (count == 0) {
     out.fallback = true;
     return out;
   }
-  const double inv_count = 1.0 / static_cast<double>(acc.count());
+  if (static_cast<int64_t>(h.size()) != k * k) {
+    return absl::InvalidArgumentError("hessian: " + std::to_string(h.size()) +
+                                      " values for k = " + std::to_string(k));
+  }
   double diag_sum = 0.0;
-  for (int64_t i = 0; i < k; ++i) diag_sum += acc.sum()[i * k + i] * inv_count;
+  for (int64_t i = 0; i < k; ++i) diag_sum += h[i * k + i];
   out.mean_diag = diag_sum / static_cast<double>(k);
   if (!std::isfinite(out.mean_diag) || out.mean_diag < 1e-20) {
     out.fallback = true;
     return out;
   }
-  out.h.resize(static_cast<size_t>(k * k));
-  for (int64_t i = 0; i < k * k; ++i) out.h[i] = static_cast<float>(acc.sum()[i] * inv_count);
+  out.h = std::move(h);
   const float damp = static_cast<float>(options.sigma_reg * out.mean_diag);
   for (int64_t i = 0; i < k; ++i) out.h[i * k + i] += damp;
   std::vector<float> chol(static_cast<size_t>(k * k));

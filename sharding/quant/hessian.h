@@ -65,6 +65,15 @@ absl::StatusOr<FinalizedHessian> FinalizeHessian(const HessianAccumulator& acc,
                                                  const HessianOptions& options = {},
                                                  WorkerPool* pool = nullptr);
 
+// The same checks and damping for a Hessian that is already averaged
+// (H = XᵀX / count, k x k row-major), e.g. one captured elsewhere and padded
+// with zero rows/columns for padded input channels. `count` == 0 means no
+// calibration rows (fallback). Errors as FinalizeHessian.
+absl::StatusOr<FinalizedHessian> FinalizeMeanHessian(std::vector<float> h, int64_t k,
+                                                     int64_t count,
+                                                     const HessianOptions& options = {},
+                                                     WorkerPool* pool = nullptr);
+
 // H <- B_k · diag(scale) · H · diag(scale) · B_k in place (§6.2). `scale` is
 // the ±1 sign vector σ_u (exllamav3) or the full su (exact basis).
 // Requires: k multiple of 128.

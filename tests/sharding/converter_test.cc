@@ -217,9 +217,9 @@ TEST(ConverterTest, ShardedInputAndOutputWithIndex) {
 class InterruptingProvider : public HessianProvider {
  public:
   explicit InterruptingProvider(int fail_at) : fail_at_(fail_at) {}
-  absl::StatusOr<std::optional<std::vector<float>>> InputHessian(const LinearSpec&) override {
+  absl::StatusOr<std::optional<MeanHessian>> InputHessian(const LinearSpec&) override {
     if (++calls_ == fail_at_) return absl::CancelledError("interrupted for the test");
-    return std::optional<std::vector<float>>();
+    return std::optional<MeanHessian>();
   }
 
  private:

@@ -126,6 +126,7 @@ Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t
 
 absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   if (m == 0) return absl::OkStatus();
+  if (observer_ != nullptr) observer_->ObserveInput(key_, x, m, in_);
   if (!quantized_) {
     DenseGemmTransposed(x, m, in_, weight_.data(), out_, bias_.empty() ? nullptr : bias_.data(),
                         y);

@@ -27,7 +27,18 @@ class Exl3Model;
 
 namespace exl3serve::worker {
 
-// Thread safety: immutable after Load; Forward is const and thread-safe.
+// Sees the input of every Linear::Forward while attached (calibration:
+// worker/model/calibration.h). Called on the thread that runs the forward.
+class InputObserver {
+ public:
+  virtual ~InputObserver() = default;
+  // x is rows x in_features, row-major, valid only during the call.
+  virtual void ObserveInput(const std::string& key, const float* x, int64_t rows,
+                            int64_t in_features) = 0;
+};
+
+// Thread safety: immutable after Load; Forward is const and thread-safe
+// (an attached InputObserver must tolerate the calling threads).
 // Ownership: owns its weights (copied out of the checkpoint's memory map).
 class Linear {
  public:
@@ -64,6 +75,13 @@ class Linear {
   // an EXL3 linear with padding allocates m·(k + n) floats.
   absl::Status Forward(const float* x, int64_t m, float* y) const;
 
+  // The module key this linear was loaded as (its LinearSpec key).
+  const std::string& key() const { return key_; }
+  void set_key(std::string key) { key_ = std::move(key); }
+  // Attaches `observer` (borrowed; must outlive its attachment) or detaches
+  // with nullptr.
+  void set_input_observer(InputObserver* observer) { observer_ = observer; }
+
  private:
   int64_t in_ = 0;
   int64_t out_ = 0;
@@ -71,6 +89,8 @@ class Linear {
   kernels::Exl3LinearData exl3_;  // quantized_: padded k x n
   std::vector<float> weight_;     // !quantized_: [out][in]
   std::vector<float> bias_;       // !quantized_: [out] or empty
+  std::string key_;
+  InputObserver* observer_ = nullptr;
 };
 
 // y[m x n] = x[m x k] · wᵀ (+ bias[n] when non-null), w row-major [n][k],

@@ -98,7 +98,9 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model) {
     return arch.Find(layer, role, expert);
   };
   auto load = [&](const sharding::LinearSpec* s) -> absl::StatusOr<Linear> {
-    return Linear::Load(model, s->key, s->in_features, s->out_features);
+    absl::StatusOr<Linear> linear = Linear::Load(model, s->key, s->in_features, s->out_features);
+    if (linear.ok()) linear->set_key(s->key);
+    return linear;
   };
   using sharding::LinearRole;
   layers_.resize(arch.num_layers);
@@ -146,11 +148,25 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model) {
   } else if (arch.tie_word_embeddings) {
     EXL3_ASSIGN_OR_RETURN(head_, Linear::LoadPlain(model, "model.embed_tokens.weight", hidden,
                                                    arch.vocab_size));
+    head_.set_key("lm_head");
   } else {
     return absl::NotFoundError(
         absl::StrCat(model.dir(), ": no `lm_head` and tie_word_embeddings is false"));
   }
   return absl::OkStatus();
+}
+
+void Transformer::SetInputObserver(InputObserver* observer) {
+  for (Layer& layer : layers_) {
+    for (Linear* l : {&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down,
+                      &layer.router}) {
+      l->set_input_observer(observer);
+    }
+    for (Expert& e : layer.experts) {
+      for (Linear* l : {&e.gate, &e.up, &e.down}) l->set_input_observer(observer);
+    }
+  }
+  head_.set_input_observer(observer);
 }
 
 absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& options) const {

@@ -85,6 +85,10 @@ class Transformer {
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        PagedKvCache* cache, std::vector<float>* logits) const;
 
+  // Attaches `observer` (borrowed; nullptr detaches) to every linear, so it
+  // sees each linear's input during Forward (calibration).
+  void SetInputObserver(InputObserver* observer);
+
  private:
   struct Expert {
     Linear gate, up, down;
