@@ -25,6 +25,13 @@ uint16_t FloatToBf16Bits(float f) {
   return static_cast<uint16_t>((u + rounding) >> 16);
 }
 
+float BitsToFloatBf16(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // A linear (out x in) with log-normal input-channel scales and outliers.
 std::vector<uint16_t> RandomLinear(std::mt19937_64& rng, int64_t out, int64_t in) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -111,9 +118,13 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
   std::mt19937_64 rng(o.seed);
   std::vector<TensorToWrite> tensors;
   const int64_t hidden = o.hidden_size;
+  std::vector<uint16_t> embed = RandomLinear(rng, o.vocab_size, hidden);
+  if (o.peaked_logits) {
+    // Embedding rows of norm ~sqrt(hidden) dominate the residual stream.
+    for (uint16_t& b : embed) b = FloatToBf16Bits(16.0f * BitsToFloatBf16(b));
+  }
   tensors.push_back(TensorFromHalfBits("model.embed_tokens.weight", DType::kBF16,
-                                       {o.vocab_size, hidden},
-                                       RandomLinear(rng, o.vocab_size, hidden)));
+                                       {o.vocab_size, hidden}, embed));
   const bool qwen3 = o.arch == "qwen3" || o.arch == "qwen3-moe";
   for (const LinearSpec& l : arch.linears) {
     if (l.is_head && o.tie_word_embeddings) continue;
@@ -131,9 +142,20 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                              {hd}, RandomNorm(rng, hd)));
       }
     }
+    std::vector<uint16_t> weight = RandomLinear(rng, l.out_features, l.in_features);
+    if (o.peaked_logits && l.is_head) {
+      for (int64_t v = 0; v < l.out_features; ++v) {
+        const int64_t src = (7 * v + 3) % o.vocab_size;
+        std::memcpy(&weight[v * hidden], &embed[src * hidden], sizeof(uint16_t) * hidden);
+      }
+    } else if (o.peaked_logits &&
+               (l.role == LinearRole::kO || l.role == LinearRole::kDown)) {
+      for (uint16_t& b : weight) {
+        b = FloatToBf16Bits(0.1f * BitsToFloatBf16(b));
+      }
+    }
     tensors.push_back(TensorFromHalfBits(l.key + ".weight", DType::kBF16,
-                                         {l.out_features, l.in_features},
-                                         RandomLinear(rng, l.out_features, l.in_features)));
+                                         {l.out_features, l.in_features}, std::move(weight)));
   }
   tensors.push_back(TensorFromHalfBits("model.norm.weight", DType::kBF16, {hidden},
                                        RandomNorm(rng, hidden)));

@@ -31,6 +31,14 @@ struct TestModelOptions {
   bool tie_word_embeddings = false;
   uint64_t seed = 1;
   int num_shards = 1;  // > 1 writes model-0000K-of-0000N + index
+  // A model with large logit margins, so greedy decoding is not a coin toss
+  // between near-equal logits (and survives quantization): the embedding is
+  // scaled up (x16) and the attention and MLP outputs (o_proj, down_proj)
+  // down (x0.1), so the residual stream stays close to the token's
+  // embedding, and lm_head row v is the
+  // embedding of token (7·v + 3) mod vocab, so the next token is a fixed,
+  // strongly preferred function of the current one. Ignored when tied.
+  bool peaked_logits = false;
 };
 
 // Writes config.json, generation_config.json and the weights (BF16) into `dir`
