@@ -21,6 +21,15 @@ if ((${#missing[@]})); then
   $SUDO "${APT[@]}" update -qq
   $SUDO "${APT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+# PyTorch (Debian's python3-torch, CPU) runs an independent reference forward
+# in tests/cli/torch_reference_test.sh. Optional: a failed install only makes
+# that test skip.
+if ! dpkg-query -W -f='${Status}' python3-torch 2>/dev/null | grep -q 'ok installed'; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO "${APT[@]}" install -y -qq --no-install-recommends python3-torch >/dev/null 2>&1 ||
+    echo "install-deps: python3-torch not installed; the PyTorch reference test will skip"
+fi
 # Node.js + npm run the reference tokenizer (Hugging Face's tokenizers) in the
 # tests; the image usually ships them, Debian's packages otherwise.
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
