@@ -1,12 +1,15 @@
 #include "sharding/exl3_model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <set>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
+#include "kernels/trellis_decode.h"
 #include "nlohmann/json.hpp"
 #include "sharding/safetensors_json.h"
 
@@ -25,6 +28,69 @@ absl::Status Bad(const SafetensorsCheckpoint::Located& t, absl::string_view prob
 }
 
 std::string ShapeText(const std::vector<int64_t>& shape) { return ShapeToString(shape); }
+
+bool IsFloatDType(DType dtype) {
+  return dtype == DType::kF16 || dtype == DType::kBF16 || dtype == DType::kF32 ||
+         dtype == DType::kF64;
+}
+
+// Converts `count` stored elements of `dtype` (a float type) at `src` —
+// unaligned (§2.6), so copied element by element — to float, as
+// SafetensorsFile::ReadAsFloat does for a whole tensor.
+void StoredToFloat(DType dtype, const uint8_t* src, int64_t count, float* dst) {
+  switch (dtype) {
+    case DType::kF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, src + 2 * i, 2);
+        dst[i] = kernels::HalfBitsToFloat(bits);
+      }
+      return;
+    case DType::kBF16:
+      for (int64_t i = 0; i < count; ++i) {
+        uint16_t bits;
+        std::memcpy(&bits, src + 2 * i, 2);
+        dst[i] = kernels::BitsToFloat(static_cast<uint32_t>(bits) << 16);
+      }
+      return;
+    case DType::kF32:
+      if (count > 0) std::memcpy(dst, src, static_cast<size_t>(count) * sizeof(float));
+      return;
+    case DType::kF64:
+      for (int64_t i = 0; i < count; ++i) {
+        double wide;
+        std::memcpy(&wide, src + 8 * i, 8);
+        dst[i] = static_cast<float>(wide);
+      }
+      return;
+    default:
+      EXL3_CHECK(false) << "StoredToFloat on " << std::string(DTypeName(dtype));
+  }
+}
+
+// Elements [begin, end) of a 1-d float tensor as float.
+std::vector<float> ReadFloatRange(const SafetensorsCheckpoint::Located& t, int64_t begin,
+                                  int64_t end) {
+  const int64_t elem = DTypeSize(t.info->dtype);
+  std::vector<float> out(static_cast<size_t>(end - begin));
+  StoredToFloat(t.info->dtype, t.file->Data(*t.info).data() + begin * elem, end - begin,
+                out.data());
+  return out;
+}
+
+// Channels [begin, end) (multiples of 16) of legacy packed signs (§5.4): bit
+// b of word w is channel 16w + b, set = -1.
+std::vector<float> ReadSignRange(const SafetensorsCheckpoint::Located& t, int64_t begin,
+                                 int64_t end) {
+  const uint8_t* words = t.file->Data(*t.info).data();
+  std::vector<float> out(static_cast<size_t>(end - begin));
+  for (int64_t c = begin; c < end; ++c) {
+    uint16_t word;
+    std::memcpy(&word, words + 2 * (c / 16), 2);
+    out[c - begin] = ((word >> (c % 16)) & 1u) ? -1.0f : 1.0f;
+  }
+  return out;
+}
 
 absl::Status ExpectShape(const SafetensorsCheckpoint::Located& t, DType dtype,
                          const std::vector<int64_t>& shape) {
@@ -267,11 +333,13 @@ absl::StatusOr<kernels::Exl3LinearData> Exl3Model::LoadLinear(std::string_view k
   data.codebook = info->codebook;
   const auto trellis = get(kTrellisSuffix);
   EXL3_ASSIGN_OR_RETURN(data.trellis, trellis.file->ReadAsUint16(*trellis.info));
+  uint64_t bytes = trellis.info->ByteSize();
 
   // Legacy packed signs (§5.4): bit b of word w is channel 16w+b, set = -1.
   auto signs = [&](const SafetensorsCheckpoint::Located& t,
                    int64_t channels) -> absl::StatusOr<std::vector<float>> {
     EXL3_ASSIGN_OR_RETURN(std::vector<uint16_t> words, t.file->ReadAsUint16(*t.info));
+    bytes += t.info->ByteSize();
     std::vector<float> out(channels);
     for (int64_t c = 0; c < channels; ++c) {
       out[c] = ((words[c / 16] >> (c % 16)) & 1u) ? -1.0f : 1.0f;
@@ -280,18 +348,22 @@ absl::StatusOr<kernels::Exl3LinearData> Exl3Model::LoadLinear(std::string_view k
   };
   if (auto suh = checkpoint_->Find(base + std::string(kSuhSuffix))) {
     EXL3_ASSIGN_OR_RETURN(data.suh, suh->file->ReadAsFloat(*suh->info));
+    bytes += suh->info->ByteSize();
   } else {
     EXL3_ASSIGN_OR_RETURN(data.suh, signs(get(kSuSuffix), info->k));
   }
   if (auto svh = checkpoint_->Find(base + std::string(kSvhSuffix))) {
     EXL3_ASSIGN_OR_RETURN(data.svh, svh->file->ReadAsFloat(*svh->info));
+    bytes += svh->info->ByteSize();
   } else {
     EXL3_ASSIGN_OR_RETURN(data.svh, signs(get(kSvSuffix), info->n));
   }
   if (info->has_bias) {
     const auto bias = get(kBiasSuffix);
     EXL3_ASSIGN_OR_RETURN(data.bias, bias.file->ReadAsFloat(*bias.info));
+    bytes += bias.info->ByteSize();
   }
+  bytes_read_.fetch_add(bytes, std::memory_order_relaxed);
   return data;
 }
 
@@ -299,7 +371,134 @@ absl::StatusOr<std::vector<float>> Exl3Model::LoadTensorAsFloat(std::string_view
   const absl::string_view name(name_view.data(), name_view.size());
   auto located = checkpoint_->Find(name_view);
   if (!located) return absl::NotFoundError(absl::StrCat(dir_, ": no tensor `", name, "`"));
-  return located->file->ReadAsFloat(*located->info);
+  EXL3_ASSIGN_OR_RETURN(std::vector<float> values, located->file->ReadAsFloat(*located->info));
+  bytes_read_.fetch_add(located->info->ByteSize(), std::memory_order_relaxed);
+  return values;
 }
+
+absl::StatusOr<kernels::Exl3LinearData> Exl3Model::LoadLinearSlice(
+    std::string_view key_view, int64_t row_begin, int64_t row_end, int64_t col_begin,
+    int64_t col_end, bool with_bias) const {
+  const absl::string_view key(key_view.data(), key_view.size());
+  const Exl3LinearInfo* info = FindLinear(key_view);
+  if (info == nullptr) {
+    return absl::NotFoundError(absl::StrCat(dir_, ": no quantized linear `", key, "`"));
+  }
+  auto check = [&](const char* what, int64_t begin, int64_t end, int64_t limit) -> absl::Status {
+    if (begin < 0 || end < begin || end > limit || begin % kChannelGroup != 0 ||
+        end % kChannelGroup != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          dir_, ": linear `", key, "`: ", what, " range [", begin, ", ", end,
+          ") must lie within [0, ", limit, ") with both ends multiples of ", kChannelGroup));
+    }
+    return absl::OkStatus();
+  };
+  EXL3_RETURN_IF_ERROR(check("row (input channel)", row_begin, row_end, info->k));
+  EXL3_RETURN_IF_ERROR(check("column (output channel)", col_begin, col_end, info->n));
+
+  const std::string base(key);
+  auto get = [&](absl::string_view suffix) { return checkpoint_->Find(base + std::string(suffix)); };
+  kernels::Exl3LinearData data;
+  data.k = row_end - row_begin;
+  data.n = col_end - col_begin;
+  data.bits = info->bits;
+  data.codebook = info->codebook;
+  uint64_t bytes = 0;
+
+  // Trellis [k/16][n/16][16K] (§3.1): a block of tile rows [tk0, tk1) and
+  // tile columns [tn0, tn1) is one run of (tn1 - tn0) tiles per tile row, and
+  // one run in all when the columns are complete.
+  const auto trellis = *get(kTrellisSuffix);
+  const uint8_t* src = trellis.file->Data(*trellis.info).data();
+  const int64_t tile_words = trellis.info->shape[2];
+  const int64_t tiles_n = info->n / 16;
+  const int64_t tk0 = row_begin / 16, tk1 = row_end / 16;
+  const int64_t tn0 = col_begin / 16;
+  const int64_t run_words = (data.n / 16) * tile_words;
+  data.trellis.resize(static_cast<size_t>((tk1 - tk0) * run_words));
+  if (run_words > 0 && tk1 > tk0) {
+    const size_t word = sizeof(uint16_t);
+    if (data.n == info->n) {
+      std::memcpy(data.trellis.data(), src + tk0 * tiles_n * tile_words * word,
+                  data.trellis.size() * word);
+    } else {
+      for (int64_t tk = tk0; tk < tk1; ++tk) {
+        std::memcpy(data.trellis.data() + (tk - tk0) * run_words,
+                    src + (tk * tiles_n + tn0) * tile_words * word,
+                    static_cast<size_t>(run_words) * word);
+      }
+    }
+    bytes += data.trellis.size() * word;
+  }
+
+  if (auto suh = get(kSuhSuffix)) {
+    data.suh = ReadFloatRange(*suh, row_begin, row_end);
+    bytes += static_cast<uint64_t>(data.k) * DTypeSize(suh->info->dtype);
+  } else {
+    data.suh = ReadSignRange(*get(kSuSuffix), row_begin, row_end);
+    bytes += static_cast<uint64_t>(data.k / 16) * sizeof(uint16_t);
+  }
+  if (auto svh = get(kSvhSuffix)) {
+    data.svh = ReadFloatRange(*svh, col_begin, col_end);
+    bytes += static_cast<uint64_t>(data.n) * DTypeSize(svh->info->dtype);
+  } else {
+    data.svh = ReadSignRange(*get(kSvSuffix), col_begin, col_end);
+    bytes += static_cast<uint64_t>(data.n / 16) * sizeof(uint16_t);
+  }
+  if (with_bias && info->has_bias) {
+    const auto bias = *get(kBiasSuffix);
+    data.bias = ReadFloatRange(bias, col_begin, col_end);
+    bytes += static_cast<uint64_t>(data.n) * DTypeSize(bias.info->dtype);
+  }
+  bytes_read_.fetch_add(bytes, std::memory_order_relaxed);
+  return data;
+}
+
+absl::StatusOr<std::vector<float>> Exl3Model::LoadTensorSliceAsFloat(std::string_view name_view,
+                                                                     int64_t dim0_begin,
+                                                                     int64_t dim0_end,
+                                                                     int64_t dim1_begin,
+                                                                     int64_t dim1_end) const {
+  const absl::string_view name(name_view.data(), name_view.size());
+  auto located = checkpoint_->Find(name_view);
+  if (!located) return absl::NotFoundError(absl::StrCat(dir_, ": no tensor `", name, "`"));
+  const TensorInfo& t = *located->info;
+  if (t.shape.size() != 1 && t.shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(dir_, ": tensor `", name, "` has shape ",
+                                                   ShapeText(t.shape),
+                                                   "; slices need a 1-d or 2-d tensor"));
+  }
+  if (!IsFloatDType(t.dtype)) {
+    return absl::InvalidArgumentError(absl::StrCat(dir_, ": tensor `", name, "` is ",
+                                                   std::string(DTypeName(t.dtype)),
+                                                   ", expected F16, BF16, F32 or F64"));
+  }
+  const int64_t rows = t.shape[0];
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  if (dim0_begin < 0 || dim0_end < dim0_begin || dim0_end > rows || dim1_begin < 0 ||
+      dim1_end < dim1_begin || dim1_end > cols) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir_, ": tensor `", name, "`: block [", dim0_begin, ", ", dim0_end, ") x [", dim1_begin,
+        ", ", dim1_end, ") is outside its shape ", ShapeText(t.shape),
+        t.shape.size() == 1 ? " (1-d: the second range must be [0, 1))" : ""));
+  }
+  const int64_t elem = DTypeSize(t.dtype);
+  const int64_t width = dim1_end - dim1_begin;
+  std::vector<float> out(static_cast<size_t>((dim0_end - dim0_begin) * width));
+  const uint8_t* src = located->file->Data(t).data();
+  if (width == cols) {
+    StoredToFloat(t.dtype, src + dim0_begin * cols * elem, static_cast<int64_t>(out.size()),
+                  out.data());
+  } else if (width > 0) {
+    for (int64_t r = dim0_begin; r < dim0_end; ++r) {
+      StoredToFloat(t.dtype, src + (r * cols + dim1_begin) * elem, width,
+                    out.data() + (r - dim0_begin) * width);
+    }
+  }
+  bytes_read_.fetch_add(static_cast<uint64_t>(out.size()) * elem, std::memory_order_relaxed);
+  return out;
+}
+
+uint64_t Exl3Model::bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
 
 }  // namespace exl3serve::sharding

@@ -21,6 +21,7 @@
 #ifndef EXL3SERVE_SHARDING_EXL3_MODEL_H_
 #define EXL3SERVE_SHARDING_EXL3_MODEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -68,8 +69,8 @@ struct QuantizationConfigSummary {
   std::string codebook;
 };
 
-// Thread safety: thread-safe after Open (immutable; LoadLinear/LoadTensor
-// only read the memory maps).
+// Thread safety: thread-safe after Open (immutable but for the atomic
+// bytes_read() counter; the Load* methods only read the memory maps).
 // Ownership: owns the checkpoint's memory maps.
 class Exl3Model {
  public:
@@ -112,6 +113,44 @@ class Exl3Model {
   // A plain tensor converted to float (F16/BF16/F32/F64).
   absl::StatusOr<std::vector<float>> LoadTensorAsFloat(std::string_view name) const;
 
+  // Rank-local loading (tensor parallelism, sharding/shard_plan.h): only the
+  // bytes of the slice are read from the checkpoint.
+  //
+  // Rows [row_begin, row_end) (input channels, k) and columns
+  // [col_begin, col_end) (output channels, n) of quantized linear `key`, all
+  // four multiples of 128 within the padded k x n: suh[rows], the trellis
+  // tiles of the block, svh[cols], and bias[cols] when `with_bias` and the
+  // linear has one (else empty). Equals kernels::SliceRows/SliceColumns
+  // applied to the whole linear (SliceRows keeps the bias only for row 0:
+  // pass with_bias = row_begin == 0 for a row-parallel shard). Empty ranges
+  // are allowed. Cost: the trellis block is one contiguous read when the
+  // columns are complete, else one read of (col_end - col_begin)/16 tiles per
+  // row of tiles; nothing outside the block is touched.
+  // Errors: NotFound for an unknown key; InvalidArgument for a range that is
+  // unaligned or outside the linear (named); DataLoss for unreadable data.
+  absl::StatusOr<kernels::Exl3LinearData> LoadLinearSlice(std::string_view key,
+                                                          int64_t row_begin, int64_t row_end,
+                                                          int64_t col_begin, int64_t col_end,
+                                                          bool with_bias) const;
+
+  // Block [dim0_begin, dim0_end) x [dim1_begin, dim1_end) of a plain 2-d
+  // tensor (1-d: dim1 range must be [0, 1)), converted to float, row-major;
+  // one contiguous read per row of the block (one in all when the dim1 range
+  // is full). Empty ranges are allowed (empty result).
+  // Errors: NotFound for an unknown tensor; InvalidArgument for a range
+  // outside the shape (named), a tensor that is not 1-d or 2-d, or a dtype
+  // other than F16/BF16/F32/F64.
+  absl::StatusOr<std::vector<float>> LoadTensorSliceAsFloat(std::string_view name,
+                                                            int64_t dim0_begin, int64_t dim0_end,
+                                                            int64_t dim1_begin,
+                                                            int64_t dim1_end) const;
+
+  // Bytes copied out of the checkpoint by LoadLinear*, LoadTensor* since
+  // Open (all threads), counted as stored (an F16 element is 2 bytes); the
+  // header reads and marker checks of Open are not counted. The measure of
+  // rank-local loading.
+  uint64_t bytes_read() const;
+
   const SafetensorsCheckpoint& checkpoint() const { return *checkpoint_; }
 
  private:
@@ -126,6 +165,9 @@ class Exl3Model {
   std::vector<PlainTensorInfo> plain_;
   absl::flat_hash_map<std::string, size_t> linear_index_;
   absl::flat_hash_map<std::string, size_t> plain_index_;
+
+  // Own synchronisation: relaxed increments, a statistic only.
+  mutable std::atomic<uint64_t> bytes_read_{0};
 };
 
 }  // namespace exl3serve::sharding
