@@ -9,7 +9,8 @@ PKGS=(build-essential cmake ninja-build pkg-config
       libucx-dev ucx-utils nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
       libyaml-cpp-dev libcli11-dev libicu-dev python3-numpy python3-jinja2 prometheus prometheus-cpp-dev iproute2
       clang libclang-rt-14-dev
-      libopenblas-dev)  # optional: the dense baseline of tests/bench/trellis_gemv_bench
+      libopenblas-dev   # optional: the dense baseline of tests/bench/trellis_gemv_bench
+      libopenmpi-dev openmpi-bin)  # optional: the MPI baseline of tests/bench/allreduce_bench
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'ok installed' || missing+=("$p")

@@ -1,0 +1,246 @@
+// TcpBootstrap: ranks as threads of this process on 127.0.0.1, rank 0 on an
+// ephemeral port. Every wait is bounded by a deadline; nothing sleeps.
+#include "worker/comm/tcp_bootstrap.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "worker/comm/communicator.h"
+
+namespace exl3serve::worker::comm {
+namespace {
+
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+constexpr absl::Duration kGenerous = absl::Seconds(30);
+
+std::unique_ptr<TcpBootstrap> MustCreate(const TcpBootstrapOptions& options,
+                                         absl::Duration timeout = kGenerous) {
+  auto boot = TcpBootstrap::Create(options, Deadline(timeout));
+  EXPECT_TRUE(boot.ok()) << boot.status();
+  return boot.ok() ? std::move(*boot) : nullptr;
+}
+
+std::string BlobFor(int rank, int round) {
+  // Different sizes per rank and round, one empty, one large.
+  if (rank == 1 && round == 0) return "";
+  if (rank == 2 && round == 1) return std::string(1 << 20, static_cast<char>('a' + round));
+  return std::string(static_cast<size_t>(rank * 7 + round + 1), static_cast<char>('A' + rank));
+}
+
+// A port nothing listens on (bound, then closed).
+uint16_t UnusedPort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(TcpBootstrapTest, AllGatherReturnsEveryRanksBlobInRankOrder) {
+  constexpr int kWorld = 4;
+  constexpr int kRounds = 3;
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = kWorld, .port = 0});
+  ASSERT_NE(root, nullptr);
+  ASSERT_NE(root->port(), 0);
+  std::vector<std::vector<std::vector<std::string>>> got(
+      kWorld, std::vector<std::vector<std::string>>(kRounds));
+  std::vector<absl::Status> errors(kWorld);
+  auto run = [&](int rank, TcpBootstrap* boot) {
+    for (int round = 0; round < kRounds; ++round) {
+      auto all = boot->AllGather(BlobFor(rank, round), Deadline(kGenerous));
+      if (!all.ok()) {
+        errors[rank] = all.status();
+        return;
+      }
+      got[rank][round] = *all;
+    }
+  };
+  std::vector<std::thread> threads;
+  std::vector<std::unique_ptr<TcpBootstrap>> peers(kWorld);
+  for (int r = 1; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      auto boot = TcpBootstrap::Create({.rank = r, .world_size = kWorld, .port = root->port()},
+                                       Deadline(kGenerous));
+      if (!boot.ok()) {
+        errors[r] = boot.status();
+        return;
+      }
+      peers[r] = std::move(*boot);
+      run(r, peers[r].get());
+    });
+  }
+  run(0, root.get());
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r];
+    for (int round = 0; round < kRounds; ++round) {
+      ASSERT_EQ(got[r][round].size(), static_cast<size_t>(kWorld));
+      for (int p = 0; p < kWorld; ++p)
+        EXPECT_EQ(got[r][round][p], BlobFor(p, round)) << r << " " << round << " " << p;
+    }
+  }
+}
+
+TEST(TcpBootstrapTest, WorldOfOneNeedsNoNetwork) {
+  std::unique_ptr<TcpBootstrap> boot = MustCreate({.rank = 0, .world_size = 1});
+  ASSERT_NE(boot, nullptr);
+  auto all = boot->AllGather("solo", Deadline(absl::Seconds(1)));
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, std::vector<std::string>{"solo"});
+}
+
+TEST(TcpBootstrapTest, PeerStartedBeforeRankZeroRetriesUntilItListens) {
+  const uint16_t port = UnusedPort();
+  absl::StatusOr<std::vector<std::string>> peer_result = absl::UnknownError("not run");
+  std::thread peer([&] {
+    auto boot =
+        TcpBootstrap::Create({.rank = 1, .world_size = 2, .port = port}, Deadline(kGenerous));
+    if (!boot.ok()) {
+      peer_result = boot.status();
+      return;
+    }
+    peer_result = (*boot)->AllGather("one", Deadline(kGenerous));
+  });
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = 2, .port = port});
+  absl::StatusOr<std::vector<std::string>> root_result = absl::UnknownError("no root");
+  if (root != nullptr) root_result = root->AllGather("zero", Deadline(kGenerous));
+  peer.join();
+  ASSERT_TRUE(root_result.ok()) << root_result.status();
+  ASSERT_TRUE(peer_result.ok()) << peer_result.status();
+  EXPECT_EQ(*peer_result, (std::vector<std::string>{"zero", "one"}));
+}
+
+TEST(TcpBootstrapTest, DeadlineNamesTheRanksThatNeverConnected) {
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = 4, .port = 0});
+  ASSERT_NE(root, nullptr);
+  std::unique_ptr<TcpBootstrap> one =
+      MustCreate({.rank = 1, .world_size = 4, .port = root->port()});
+  ASSERT_NE(one, nullptr);
+  absl::Status peer_status;
+  const absl::Time peer_start = absl::Now();
+  absl::Duration peer_took;
+  std::thread peer([&] {
+    peer_status = one->AllGather("x", Deadline(kGenerous)).status();
+    peer_took = absl::Now() - peer_start;
+  });
+  const absl::Time start = absl::Now();
+  auto all = root->AllGather("root", Deadline(absl::Milliseconds(300)));
+  const absl::Duration took = absl::Now() - start;
+  peer.join();
+  ASSERT_EQ(all.status().code(), absl::StatusCode::kDeadlineExceeded) << all.status();
+  EXPECT_THAT(all.status().message(), AllOf(HasSubstr("ranks 2, 3"), HasSubstr("never connected")));
+  EXPECT_LT(took, absl::Seconds(5));
+  // Rank 1 does not wait out its own deadline: it gets rank 0's reason, or
+  // (if rank 0 closed first) sees the connection drop.
+  EXPECT_LT(peer_took, absl::Seconds(5));
+  if (peer_status.code() == absl::StatusCode::kDeadlineExceeded) {
+    EXPECT_THAT(peer_status.message(), HasSubstr("ranks 2, 3"));
+  } else {
+    EXPECT_EQ(peer_status.code(), absl::StatusCode::kUnavailable) << peer_status;
+  }
+  // Broken for good.
+  EXPECT_EQ(root->AllGather("again", Deadline(kGenerous)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(TcpBootstrapTest, DroppedPeerFailsTheGroupWithUnavailable) {
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = 3, .port = 0});
+  ASSERT_NE(root, nullptr);
+  // Rank 2 connects (hello sent) and goes away before contributing.
+  {
+    std::unique_ptr<TcpBootstrap> doomed =
+        MustCreate({.rank = 2, .world_size = 3, .port = root->port()});
+    ASSERT_NE(doomed, nullptr);
+  }
+  std::unique_ptr<TcpBootstrap> one =
+      MustCreate({.rank = 1, .world_size = 3, .port = root->port()});
+  ASSERT_NE(one, nullptr);
+  absl::Status peer_status;
+  std::thread peer([&] { peer_status = one->AllGather("x", Deadline(kGenerous)).status(); });
+  auto all = root->AllGather("root", Deadline(kGenerous));
+  peer.join();
+  ASSERT_EQ(all.status().code(), absl::StatusCode::kUnavailable) << all.status();
+  EXPECT_THAT(all.status().message(), HasSubstr("rank 2"));
+  // Rank 1 either got rank 0's notice or saw its connection close.
+  EXPECT_EQ(peer_status.code(), absl::StatusCode::kUnavailable) << peer_status;
+}
+
+TEST(TcpBootstrapTest, RankZeroGoneFailsPeerWithUnavailable) {
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = 2, .port = 0});
+  ASSERT_NE(root, nullptr);
+  std::unique_ptr<TcpBootstrap> peer =
+      MustCreate({.rank = 1, .world_size = 2, .port = root->port()});
+  ASSERT_NE(peer, nullptr);
+  root.reset();
+  auto all = peer->AllGather("x", Deadline(kGenerous));
+  EXPECT_EQ(all.status().code(), absl::StatusCode::kUnavailable) << all.status();
+  EXPECT_THAT(all.status().message(), HasSubstr("rank 0"));
+}
+
+TEST(TcpBootstrapTest, RankOfAnotherGroupIsTurnedAway) {
+  std::unique_ptr<TcpBootstrap> root =
+      MustCreate({.rank = 0, .world_size = 2, .port = 0, .group_id = 7});
+  ASSERT_NE(root, nullptr);
+  // A stale rank 1 of group 8 connects first; it must not be taken for ours.
+  std::unique_ptr<TcpBootstrap> stranger =
+      MustCreate({.rank = 1, .world_size = 2, .port = root->port(), .group_id = 8});
+  ASSERT_NE(stranger, nullptr);
+  absl::StatusOr<std::vector<std::string>> peer_result = absl::UnknownError("not run");
+  std::thread peer([&] {
+    auto boot = TcpBootstrap::Create(
+        {.rank = 1, .world_size = 2, .port = root->port(), .group_id = 7}, Deadline(kGenerous));
+    if (!boot.ok()) {
+      peer_result = boot.status();
+      return;
+    }
+    peer_result = (*boot)->AllGather("mine", Deadline(kGenerous));
+  });
+  auto all = root->AllGather("root", Deadline(kGenerous));
+  peer.join();
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(*all, (std::vector<std::string>{"root", "mine"}));
+  ASSERT_TRUE(peer_result.ok()) << peer_result.status();
+  // The stranger never joins: turned away, or closed with rank 0.
+  root.reset();
+  EXPECT_EQ(stranger->AllGather("x", Deadline(kGenerous)).status().code(),
+            absl::StatusCode::kUnavailable);
+}
+
+TEST(TcpBootstrapTest, ConnectingToNobodyEndsAtTheDeadline) {
+  const absl::Time start = absl::Now();
+  auto boot = TcpBootstrap::Create({.rank = 1, .world_size = 2, .port = UnusedPort()},
+                                   Deadline(absl::Milliseconds(300)));
+  EXPECT_EQ(boot.status().code(), absl::StatusCode::kDeadlineExceeded) << boot.status();
+  EXPECT_THAT(boot.status().message(), HasSubstr("could not connect to rank 0"));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
+TEST(TcpBootstrapTest, RejectsBadArguments) {
+  EXPECT_EQ(TcpBootstrap::Create({.rank = 2, .world_size = 2}, Deadline(kGenerous)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TcpBootstrap::Create({.rank = 1, .world_size = 2, .port = 0}, Deadline(kGenerous))
+                .status()
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(TcpBootstrap::Create({.rank = 0, .world_size = 0}, Deadline(kGenerous)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace exl3serve::worker::comm
