@@ -26,6 +26,8 @@ CommandRunner RegisterBenchCommand(CLI::App& app);  // `bench gemv`
 CommandRunner RegisterTokenizeCommand(CLI::App& app);
 CommandRunner RegisterGenerateCommand(CLI::App& app);
 CommandRunner RegisterImportLlama2cCommand(CLI::App& app);
+CommandRunner RegisterPlanCommand(CLI::App& app);  // shard plan of a model over N ranks
+CommandRunner RegisterWorkerCommand(CLI::App& app);
 
 }  // namespace exl3serve::cli
 

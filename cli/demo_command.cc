@@ -24,6 +24,7 @@
 #include "worker/model/generator.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/transformer.h"
+#include "worker/rank/local_group.h"
 
 namespace exl3serve::cli {
 
@@ -84,14 +85,12 @@ CommandRunner RegisterDemoCommand(CLI::App& app) {
     // Generate on one rank from the original (bf16 weights in fp32) and from
     // the EXL3 model, greedy, same prompt ids.
     const std::vector<int32_t> prompt = {1, 42, 7, 311};
-    auto run = [&](const std::string& dir) -> absl::StatusOr<std::vector<int32_t>> {
-      EXL3_ASSIGN_OR_RETURN(auto model, worker::Transformer::Load(dir));
-      EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model->CreateKvCache({}));
+    auto generate = [&](worker::StepExecutor& executor) -> absl::StatusOr<std::vector<int32_t>> {
       worker::GenerationOptions options;
       options.max_new_tokens = 16;
       options.sampling.temperature = 0.0f;
       std::vector<int32_t> ids;
-      EXL3_RETURN_IF_ERROR(worker::Generate(*model, &cache, 0, prompt, options,
+      EXL3_RETURN_IF_ERROR(worker::Generate(executor, 0, prompt, options,
                                             [&](const worker::GeneratedStep& step) {
                                               ids.push_back(step.token.id);
                                               return true;
@@ -99,8 +98,23 @@ CommandRunner RegisterDemoCommand(CLI::App& app) {
                                .status());
       return ids;
     };
+    auto run = [&](const std::string& dir) -> absl::StatusOr<std::vector<int32_t>> {
+      EXL3_ASSIGN_OR_RETURN(auto model, worker::Transformer::Load(dir));
+      EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model->CreateKvCache({}));
+      worker::LocalStepExecutor local(model.get(), std::move(cache));
+      return generate(local);
+    };
     EXL3_ASSIGN_OR_RETURN(std::vector<int32_t> original, run(hf));
     EXL3_ASSIGN_OR_RETURN(std::vector<int32_t> quantized, run(exl3));
+    // The EXL3 model again on two rank processes (tensor parallelism: each
+    // holds half the heads, MLP channels and vocab; shm all-reduce).
+    worker::rank::LocalGroupOptions group_options;
+    group_options.model_dir = exl3;
+    group_options.world_size = 2;
+    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> group,
+                          worker::rank::LocalGroup::Start(group_options));
+    EXL3_ASSIGN_OR_RETURN(std::vector<int32_t> parallel, generate(*group));
+    group.reset();
     auto join = [](const std::vector<int32_t>& v) {
       std::string out;
       for (int32_t id : v) out += (out.empty() ? "" : " ") + std::to_string(id);
@@ -115,6 +129,11 @@ CommandRunner RegisterDemoCommand(CLI::App& app) {
     std::printf("  original (bf16): %s\n", join(original).c_str());
     std::printf("  EXL3 %.2f bpw:    %s\n", report.bits_achieved, join(quantized).c_str());
     std::printf("  the first %zu of %zu tokens agree\n", agree, original.size());
+    std::printf("  EXL3 on 2 ranks:  %s (%s one rank)\n", join(parallel).c_str(),
+                parallel == quantized ? "identical to" : "DIFFERENT from");
+    if (parallel != quantized) {
+      return absl::InternalError("tensor-parallel generation differs from one rank");
+    }
     if (remove_after) {
       std::error_code ec;
       fs::remove_all(work, ec);

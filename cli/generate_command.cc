@@ -22,6 +22,7 @@
 #include "worker/model/generator.h"
 #include "worker/model/stop_strings.h"
 #include "worker/model/transformer.h"
+#include "worker/rank/local_group.h"
 
 namespace exl3serve::cli {
 namespace {
@@ -56,6 +57,10 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     int64_t kv_pages = 0;
     int64_t seed = -1;
     worker::SamplingParams sampling;
+    int tp = 1, ep = 0, threads = 1;
+    std::string comm = "shm", bootstrap, ucx_tls;
+    std::vector<std::string> rank_wrappers;
+    int64_t step_timeout_ms = 60'000;
   };
   auto args = std::make_shared<Args>();
   args->sampling.temperature = 0.0f;
@@ -86,11 +91,39 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
   app.add_option("--kv-pages", args->kv_pages,
                  "KV cache pages of 16 positions (0: enough for prompt + max tokens)")
       ->capture_default_str();
+  app.add_option("--tp", args->tp,
+                 "rank processes to run the model on (tensor parallelism; 1 = this process)")
+      ->capture_default_str();
+  app.add_option("--ep", args->ep,
+                 "MoE: expert-parallel groups among the ranks (0 = one per rank; --tp defaults "
+                 "to --ep when only --ep is given)");
+  app.add_option("--threads-per-rank", args->threads, "kernel threads of each rank process")
+      ->capture_default_str();
+  app.add_option("--comm", args->comm, "collective backend of the ranks: shm or ucx")
+      ->capture_default_str();
+  app.add_option("--bootstrap", args->bootstrap, "ucx: host:port where rank 0 listens");
+  app.add_option("--ucx-tls", args->ucx_tls, "ucx: transports, e.g. tcp");
+  app.add_option("--rank-wrapper", args->rank_wrappers,
+                 "per rank (repeat in rank order): a command that starts the rank, e.g. "
+                 "\"ip netns exec box-a\"");
+  app.add_option("--step-timeout-ms", args->step_timeout_ms,
+                 "with --tp: a step (and each collective) must finish within this")
+      ->capture_default_str();
   app.add_option("--logits-out", args->logits_out,
                  "write the logits of every generated token as a float32 .npy [steps, vocab]");
   return [args]() -> absl::Status {
-    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::Transformer> model,
-                          worker::Transformer::Load(args->model));
+    const int ranks = args->tp > 1 ? args->tp : (args->ep > 1 ? args->ep : 1);
+    // The config's EOS ids (read cheaply: the driver does not load weights
+    // when ranks do).
+    std::vector<int32_t> eos_ids;
+    std::unique_ptr<worker::Transformer> model;
+    if (ranks == 1) {
+      EXL3_ASSIGN_OR_RETURN(model, worker::Transformer::Load(args->model));
+      eos_ids = model->config().eos_token_ids;
+    } else {
+      EXL3_ASSIGN_OR_RETURN(worker::ModelConfig config, worker::ReadModelConfig(args->model));
+      eos_ids = config.eos_token_ids;
+    }
     std::unique_ptr<coordinator::Tokenizer> tokenizer;
     if (std::filesystem::exists(args->model + "/tokenizer.json")) {
       EXL3_ASSIGN_OR_RETURN(tokenizer, coordinator::Tokenizer::Load(args->model));
@@ -115,7 +148,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     options.sampling = args->sampling;
     if (args->seed >= 0) options.sampling.seed = static_cast<uint64_t>(args->seed);
     options.max_new_tokens = args->max_tokens;
-    if (!args->ignore_eos) options.stop_token_ids = model->config().eos_token_ids;
+    if (!args->ignore_eos) options.stop_token_ids = eos_ids;
     EXL3_ASSIGN_OR_RETURN(std::vector<int32_t> stop_ids, ParseIds(args->stop_ids, "--stop-ids"));
     options.stop_token_ids.insert(options.stop_token_ids.end(), stop_ids.begin(), stop_ids.end());
 
@@ -124,7 +157,32 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     const int64_t positions = static_cast<int64_t>(prompt.size()) + std::max<int64_t>(0, args->max_tokens);
     kv.num_pages = args->kv_pages > 0 ? args->kv_pages
                                       : (positions + kv.page_size_tokens - 1) / kv.page_size_tokens;
-    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model->CreateKvCache(kv));
+    std::unique_ptr<worker::StepExecutor> executor;
+    if (ranks == 1) {
+      EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model->CreateKvCache(kv));
+      executor = std::make_unique<worker::LocalStepExecutor>(model.get(), std::move(cache));
+    } else {
+      worker::rank::LocalGroupOptions group;
+      group.model_dir = args->model;
+      group.world_size = ranks;
+      group.expert_parallel = args->ep;
+      group.threads_per_rank = args->threads;
+      group.comm.backend = args->comm;
+      group.comm.bootstrap_address = args->bootstrap;
+      group.comm.ucx_tls = args->ucx_tls;
+      for (const std::string& wrapper : args->rank_wrappers) {
+        group.rank_wrappers.push_back(absl::StrSplit(wrapper, ' ', absl::SkipEmpty()));
+      }
+      group.kv = kv;
+      group.step_timeout = absl::Milliseconds(args->step_timeout_ms);
+      EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> started,
+                            worker::rank::LocalGroup::Start(group));
+      for (int r = 0; r < ranks; ++r) {
+        EXL3_LOG(kInfo) << "rank " << r << ": read " << started->bytes_read(r)
+                        << " checkpoint bytes (plan: " << started->planned_bytes(r) << ")";
+      }
+      executor = std::move(started);
+    }
 
     std::optional<coordinator::StreamDecoder> stream;
     if (text_mode) stream.emplace(*tokenizer, coordinator::DecodeOptions{.skip_special_tokens = true});
@@ -150,7 +208,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
       return !stops.stopped();
     };
     EXL3_ASSIGN_OR_RETURN(worker::FinishReason finish,
-                          worker::Generate(*model, &cache, 0, prompt, options, on_step));
+                          worker::Generate(*executor, 0, prompt, options, on_step));
     EXL3_RETURN_IF_ERROR(decode_status);
     if (text_mode) Print(stops.Append(stream->Finish()) + stops.Flush());
     Print("\n");
@@ -160,7 +218,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
                                                                      : "stop string");
     if (!args->logits_out.empty()) {
       EXL3_RETURN_IF_ERROR(sharding::WriteNpyFloat32(
-          args->logits_out, {generated, model->vocab_size()}, logits_log));
+          args->logits_out, {generated, executor->vocab_size()}, logits_log));
     }
     return absl::OkStatus();
   };

@@ -118,10 +118,29 @@ void ThreadPool::ParallelFor(int64_t count, int max_threads,
   }
 }
 
+namespace {
+std::mutex shared_pool_mu;
+ThreadPool* shared_pool = nullptr;  // guarded by shared_pool_mu; never deleted
+int shared_pool_size = 0;           // guarded by shared_pool_mu; 0 = hardware
+}  // namespace
+
 ThreadPool& SharedThreadPool() {
-  static ThreadPool* pool =
-      new ThreadPool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  static ThreadPool* pool = [] {
+    std::lock_guard<std::mutex> lock(shared_pool_mu);
+    const int threads = shared_pool_size > 0
+                            ? shared_pool_size
+                            : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    shared_pool = new ThreadPool(threads);
+    return shared_pool;
+  }();
   return *pool;
+}
+
+bool SetSharedThreadPoolSize(int threads) {
+  std::lock_guard<std::mutex> lock(shared_pool_mu);
+  if (shared_pool != nullptr || threads < 1) return false;
+  shared_pool_size = threads;
+  return true;
 }
 
 }  // namespace exl3serve::kernels::cpu

@@ -88,9 +88,15 @@ class ThreadPool {
   std::condition_variable done_;
 };
 
-// The process-wide pool, created on first use with
-// std::thread::hardware_concurrency() threads (at least 1).
+// The process-wide pool, created on first use with the size given to
+// SetSharedThreadPoolSize, else std::thread::hardware_concurrency() threads
+// (at least 1).
 ThreadPool& SharedThreadPool();
+
+// Sets the size of the process-wide pool (e.g. one thread per rank when
+// several ranks share a box). Returns false, changing nothing, once the pool
+// exists or for threads < 1. Thread-safe.
+bool SetSharedThreadPoolSize(int threads);
 
 }  // namespace exl3serve::kernels::cpu
 

@@ -8,7 +8,7 @@
 namespace exl3serve::worker {
 namespace {
 
-absl::StatusOr<FinishReason> Run(const Transformer& model, PagedKvCache* cache, int64_t seq_id,
+absl::StatusOr<FinishReason> Run(StepExecutor& model, int64_t seq_id,
                                  std::span<const int32_t> prompt,
                                  const GenerationOptions& options, const StepCallback& on_step) {
   EXL3_ASSIGN_OR_RETURN(Sampler sampler, Sampler::Create(options.sampling, prompt));
@@ -17,7 +17,7 @@ absl::StatusOr<FinishReason> Run(const Transformer& model, PagedKvCache* cache, 
   for (int64_t begin = 0; begin < static_cast<int64_t>(prompt.size()); begin += chunk) {
     const int64_t end = std::min<int64_t>(prompt.size(), begin + chunk);
     const SequenceTokens entry{seq_id, prompt.subspan(begin, end - begin)};
-    EXL3_RETURN_IF_ERROR(model.Forward({&entry, 1}, LogitsRows::kLastToken, cache, &logits));
+    EXL3_RETURN_IF_ERROR(model.Forward({&entry, 1}, LogitsRows::kLastToken, &logits));
   }
   for (int64_t generated = 0; generated < options.max_new_tokens; ++generated) {
     GeneratedStep step;
@@ -31,15 +31,15 @@ absl::StatusOr<FinishReason> Run(const Transformer& model, PagedKvCache* cache, 
     if (generated + 1 == options.max_new_tokens) break;  // no forward for an unused token
     const int32_t id = step.token.id;
     const SequenceTokens entry{seq_id, {&id, 1}};
-    EXL3_RETURN_IF_ERROR(model.Forward({&entry, 1}, LogitsRows::kLastToken, cache, &logits));
+    EXL3_RETURN_IF_ERROR(model.Forward({&entry, 1}, LogitsRows::kLastToken, &logits));
   }
   return FinishReason::kLength;
 }
 
 }  // namespace
 
-absl::StatusOr<FinishReason> Generate(const Transformer& model, PagedKvCache* cache,
-                                      int64_t seq_id, std::span<const int32_t> prompt,
+absl::StatusOr<FinishReason> Generate(StepExecutor& executor, int64_t seq_id,
+                                      std::span<const int32_t> prompt,
                                       const GenerationOptions& options,
                                       const StepCallback& on_step) {
   if (prompt.empty()) return absl::InvalidArgumentError("generate: the prompt is empty");
@@ -51,10 +51,20 @@ absl::StatusOr<FinishReason> Generate(const Transformer& model, PagedKvCache* ca
     return absl::InvalidArgumentError(absl::StrCat("`prefill_chunk_tokens` must be > 0, got ",
                                                    options.prefill_chunk_tokens));
   }
-  EXL3_RETURN_IF_ERROR(cache->AddSequence(seq_id));
-  absl::StatusOr<FinishReason> result = Run(model, cache, seq_id, prompt, options, on_step);
-  EXL3_RETURN_IF_ERROR(cache->RemoveSequence(seq_id));
+  EXL3_RETURN_IF_ERROR(executor.AddSequence(seq_id));
+  absl::StatusOr<FinishReason> result = Run(executor, seq_id, prompt, options, on_step);
+  absl::Status removed = executor.RemoveSequence(seq_id);
+  if (!result.ok()) return result;
+  EXL3_RETURN_IF_ERROR(removed);
   return result;
+}
+
+absl::StatusOr<FinishReason> Generate(const Transformer& model, PagedKvCache* cache,
+                                      int64_t seq_id, std::span<const int32_t> prompt,
+                                      const GenerationOptions& options,
+                                      const StepCallback& on_step) {
+  LocalStepExecutor executor(&model, cache);
+  return Generate(executor, seq_id, prompt, options, on_step);
 }
 
 }  // namespace exl3serve::worker

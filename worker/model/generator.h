@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/sampler.h"
+#include "worker/model/step_executor.h"
 #include "worker/model/transformer.h"
 
 namespace exl3serve::worker {
@@ -55,6 +56,12 @@ using StepCallback = std::function<bool(const GeneratedStep& step)>;
 // negative max_new_tokens or prefill chunk <= 0; AlreadyExists when seq_id is
 // in the cache; those of Transformer::Forward (ResourceExhausted when the
 // cache is too small for prompt + max_new_tokens).
+absl::StatusOr<FinishReason> Generate(StepExecutor& executor, int64_t seq_id,
+                                      std::span<const int32_t> prompt,
+                                      const GenerationOptions& options,
+                                      const StepCallback& on_step);
+
+// The same on a model of this process and a cache.
 absl::StatusOr<FinishReason> Generate(const Transformer& model, PagedKvCache* cache,
                                       int64_t seq_id, std::span<const int32_t> prompt,
                                       const GenerationOptions& options,

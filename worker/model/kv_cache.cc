@@ -60,9 +60,11 @@ absl::StatusOr<KvCacheDtype> KvCacheDtypeFromBits(int bits) {
 
 absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
                                                   const KvCacheOptions& options) {
-  if (shape.num_layers <= 0 || shape.num_kv_heads <= 0 || shape.head_dim <= 0) {
+  // Zero kv heads is a rank of a tensor-parallel group without attention
+  // heads: it still tracks sequences and lengths.
+  if (shape.num_layers <= 0 || shape.num_kv_heads < 0 || shape.head_dim <= 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "kv cache: layers, kv heads and head_dim must be > 0, got ", shape.num_layers, ", ",
+        "kv cache: layers and head_dim must be > 0 and kv heads >= 0, got ", shape.num_layers, ", ",
         shape.num_kv_heads, ", ", shape.head_dim));
   }
   if (options.page_size_tokens <= 0 || options.num_pages <= 0) {

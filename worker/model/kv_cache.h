@@ -53,8 +53,9 @@ struct KvCacheOptions {
 // Ownership: owns its page pool.
 class PagedKvCache {
  public:
-  // Errors: InvalidArgument for a non-positive dimension, page size or page
-  // count, or an odd head_dim with kInt4. Cost: allocates the whole pool.
+  // Errors: InvalidArgument for a non-positive layer count, head_dim, page
+  // size or page count, negative kv heads (0 is allowed: a tensor-parallel
+  // rank without attention heads), or an odd head_dim with kInt4. Cost: allocates the whole pool.
   static absl::StatusOr<PagedKvCache> Create(const KvCacheShape& shape,
                                              const KvCacheOptions& options);
 

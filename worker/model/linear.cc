@@ -111,6 +111,70 @@ absl::StatusOr<Linear> Linear::LoadPlain(const sharding::Exl3Model& model,
   return FromDense(std::move(stored), in_features, out_features, {});
 }
 
+absl::StatusOr<Linear> Linear::LoadWindow(const sharding::Exl3Model& model,
+                                          std::string_view key_view, int64_t in_features,
+                                          int64_t out_features, int64_t in_begin, int64_t in_end,
+                                          int64_t out_begin, int64_t out_end, bool with_bias) {
+  const std::string key(key_view);
+  if (in_begin < 0 || in_begin > in_end || in_end > in_features || out_begin < 0 ||
+      out_begin > out_end || out_end > out_features) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "linear `", key, "`: window [", in_begin, ", ", in_end, ") x [", out_begin, ", ", out_end,
+        ") is outside its ", in_features, " x ", out_features, " features"));
+  }
+  Linear linear;
+  linear.in_ = in_end - in_begin;
+  linear.out_ = out_end - out_begin;
+  linear.key_ = key;
+  if (const sharding::Exl3LinearInfo* info = model.FindLinear(key_view)) {
+    if (info->k < in_features || info->n < out_features) {
+      return absl::DataLossError(absl::StrCat(model.dir(), ": EXL3 linear `", key, "` holds ",
+                                              info->k, " x ", info->n, ", smaller than ",
+                                              in_features, " x ", out_features));
+    }
+    constexpr int64_t g = kernels::kExl3ChannelGranularity;
+    auto down = [](int64_t x) { return x / g * g; };
+    auto up = [](int64_t x, int64_t limit) { return std::min(limit, (x + g - 1) / g * g); };
+    const int64_t k0 = down(in_begin), k1 = in_end > in_begin ? up(in_end, info->k) : k0;
+    const int64_t n0 = down(out_begin), n1 = out_end > out_begin ? up(out_end, info->n) : n0;
+    linear.quantized_ = true;
+    linear.in_offset_ = in_begin - k0;
+    linear.out_offset_ = out_begin - n0;
+    EXL3_ASSIGN_OR_RETURN(linear.exl3_, model.LoadLinearSlice(key_view, k0, k1, n0, n1, with_bias));
+    return linear;
+  }
+  const std::string weight_name = key + ".weight";
+  const sharding::PlainTensorInfo* info = model.FindPlain(weight_name);
+  if (info == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat(model.dir(), ": no tensor `", weight_name, "` (nor an EXL3 linear)"));
+  }
+  if (info->shape.size() != 2 || info->shape[0] < out_features || info->shape[1] < in_features) {
+    return absl::DataLossError(absl::StrCat(model.dir(), ": tensor `", weight_name,
+                                            "` must be 2-d of at least [", out_features, ",",
+                                            in_features, "]"));
+  }
+  if (linear.in_ > 0 && linear.out_ > 0) {
+    EXL3_ASSIGN_OR_RETURN(linear.weight_, model.LoadTensorSliceAsFloat(weight_name, out_begin,
+                                                                      out_end, in_begin, in_end));
+  } else {
+    linear.weight_.clear();
+  }
+  if (with_bias && linear.out_ > 0) {
+    const std::string bias_name = key + ".bias";
+    if (const sharding::PlainTensorInfo* b = model.FindPlain(bias_name)) {
+      if (b->shape.size() != 1 || b->shape[0] < out_features) {
+        return absl::DataLossError(absl::StrCat(model.dir(), ": tensor `", bias_name,
+                                                "` must be 1-d with at least ", out_features,
+                                                " elements"));
+      }
+      EXL3_ASSIGN_OR_RETURN(linear.bias_,
+                            model.LoadTensorSliceAsFloat(bias_name, out_begin, out_end, 0, 1));
+    }
+  }
+  return linear;
+}
+
 Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
                          std::vector<float> bias) {
   EXL3_CHECK(static_cast<int64_t>(weight.size()) == in_features * out_features)
@@ -125,8 +189,19 @@ Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t
 }
 
 absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
-  if (m == 0) return absl::OkStatus();
+  if (m == 0 || out_ == 0) return absl::OkStatus();
   if (observer_ != nullptr) observer_->ObserveInput(key_, x, m, in_);
+  if (in_ == 0) {  // a row-parallel window without input channels: bias or zero
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t o = 0; o < out_; ++o) y[i * out_ + o] = bias_.empty() ? 0.0f : bias_[o];
+    }
+    if (quantized_ && !exl3_.bias.empty()) {
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t o = 0; o < out_; ++o) y[i * out_ + o] = exl3_.bias[out_offset_ + o];
+      }
+    }
+    return absl::OkStatus();
+  }
   if (!quantized_) {
     DenseGemmTransposed(x, m, in_, weight_.data(), out_, bias_.empty() ? nullptr : bias_.data(),
                         y);
@@ -138,7 +213,7 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   if (k != in_) {
     padded_x.assign(static_cast<size_t>(m * k), 0.0f);
     for (int64_t i = 0; i < m; ++i) {
-      std::memcpy(&padded_x[i * k], x + i * in_, sizeof(float) * in_);
+      std::memcpy(&padded_x[i * k + in_offset_], x + i * in_, sizeof(float) * in_);
     }
     input = padded_x.data();
   }
@@ -146,7 +221,7 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   std::vector<float> padded_y(static_cast<size_t>(m * n));
   EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data()));
   for (int64_t i = 0; i < m; ++i) {
-    std::memcpy(y + i * out_, &padded_y[i * n], sizeof(float) * out_);
+    std::memcpy(y + i * out_, &padded_y[i * n + out_offset_], sizeof(float) * out_);
   }
   return absl::OkStatus();
 }

@@ -58,6 +58,21 @@ class Linear {
                                           std::string_view weight_name, int64_t in_features,
                                           int64_t out_features);
 
+  // One rank's window of linear `key` (tensor parallelism): input features
+  // [in_begin, in_end) and output features [out_begin, out_end) of the
+  // model's in_features x out_features linear; the bias (its [out_begin,
+  // out_end) part) only when `with_bias`. Forward then maps x[m x in_size] to
+  // y[m x out_size]: a column-parallel window (full input) gives its output
+  // columns exactly, a row-parallel window (full output) a partial sum that
+  // the ranks all-reduce. Only the window's bytes are read: for an EXL3
+  // linear the 128-aligned superset of each range (extra input rows get zero
+  // input, extra output columns are dropped — both exact).
+  // Errors: those of Load; InvalidArgument for a range outside the linear.
+  static absl::StatusOr<Linear> LoadWindow(const sharding::Exl3Model& model, std::string_view key,
+                                           int64_t in_features, int64_t out_features,
+                                           int64_t in_begin, int64_t in_end, int64_t out_begin,
+                                           int64_t out_end, bool with_bias);
+
   // A plain linear from an fp32 weight [out][in] (HF orientation) and an
   // optional bias (empty = none). Requires: sizes match.
   static Linear FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
@@ -86,7 +101,9 @@ class Linear {
   int64_t in_ = 0;
   int64_t out_ = 0;
   bool quantized_ = false;
-  kernels::Exl3LinearData exl3_;  // quantized_: padded k x n
+  kernels::Exl3LinearData exl3_;  // quantized_: padded k x n (a window's aligned superset)
+  int64_t in_offset_ = 0;         // quantized_: x column 0 is row in_offset_ of exl3_
+  int64_t out_offset_ = 0;        // quantized_: y column 0 is column out_offset_ of exl3_
   std::vector<float> weight_;     // !quantized_: [out][in]
   std::vector<float> bias_;       // !quantized_: [out] or empty
   std::string key_;

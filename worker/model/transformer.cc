@@ -14,6 +14,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "nlohmann/json.hpp"
 #include "sharding/exl3_model.h"
+#include "worker/comm/communicator.h"
 
 namespace exl3serve::worker {
 namespace {
@@ -69,17 +70,49 @@ void ApplyRope(float* row, int64_t heads, int64_t d, int64_t pos,
 
 inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// The whole model as one rank's shard (no parallelism).
+sharding::RankShard WholeModelShard(const sharding::ModelArch& arch) {
+  sharding::RankShard shard;
+  shard.layers.resize(arch.num_layers);
+  for (sharding::LayerShard& layer : shard.layers) {
+    layer.q_heads = {0, arch.num_attention_heads};
+    layer.kv_heads = {0, arch.num_key_value_heads};
+    layer.o_bias = layer.down_bias = layer.expert_down_bias = true;
+    layer.mlp_channels = {0, arch.intermediate_size};
+    layer.experts = {0, arch.num_experts};
+    layer.expert_channels = {0, arch.moe_intermediate_size};
+  }
+  shard.vocab = {0, arch.vocab_size};
+  return shard;
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir) {
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir) {
   EXL3_ASSIGN_OR_RETURN(nlohmann::json config_json, ReadJsonFile(dir + "/config.json"));
   std::optional<nlohmann::json> generation;
   if (absl::StatusOr<nlohmann::json> g = ReadJsonFile(dir + "/generation_config.json"); g.ok()) {
     generation = std::move(*g);
   }
+  return ModelConfigFromJson(config_json, generation ? &*generation : nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir) {
+  return LoadImpl(dir, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadShard(const std::string& dir,
+                                                                    const TensorParallelism& tp) {
+  if (tp.comm == nullptr) {
+    return absl::InvalidArgumentError("tensor parallelism needs a communicator");
+  }
+  return LoadImpl(dir, &tp);
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(const std::string& dir,
+                                                                   const TensorParallelism* tp) {
   std::unique_ptr<Transformer> model(new Transformer());
-  EXL3_ASSIGN_OR_RETURN(model->config_,
-                        ModelConfigFromJson(config_json, generation ? &*generation : nullptr));
+  EXL3_ASSIGN_OR_RETURN(model->config_, ReadModelConfig(dir));
   if (model->config_.arch.head_dim % 2 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, ": head_dim must be even for RoPE, got ", model->config_.arch.head_dim));
@@ -87,71 +120,200 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string
   model->rope_inv_freq_ = RopeInverseFrequencies(model->config_);
   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<sharding::Exl3Model> checkpoint,
                         sharding::Exl3Model::Open(dir));
-  EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint));
+  if (tp != nullptr) {
+    model->comm_ = tp->comm;
+    model->collective_timeout_ = tp->collective_timeout;
+    EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint, tp->shard));
+  } else {
+    EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint, WholeModelShard(model->config_.arch)));
+  }
+  model->bytes_read_ = checkpoint->bytes_read();
   return model;
 }
 
-absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model) {
+absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
+                                      const sharding::RankShard& shard) {
   const sharding::ModelArch& arch = config_.arch;
   const int64_t hidden = arch.hidden_size;
-  auto spec = [&](int layer, sharding::LinearRole role, int expert) {
-    return arch.Find(layer, role, expert);
+  const int64_t hd = arch.head_dim;
+  const bool whole = comm_ == nullptr;
+  if (static_cast<int>(shard.layers.size()) != arch.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("shard plan has ", shard.layers.size(),
+                                                   " layers, the model ", arch.num_layers));
+  }
+  auto check = [&](const sharding::IndexRange& r, int64_t limit,
+                   const char* what) -> absl::Status {
+    if (r.begin < 0 || r.begin > r.end || r.end > limit) {
+      return absl::InvalidArgumentError(absl::StrCat("shard plan: ", what, " [", r.begin, ", ",
+                                                     r.end, ") outside [0, ", limit, ")"));
+    }
+    return absl::OkStatus();
   };
-  auto load = [&](const sharding::LinearSpec* s) -> absl::StatusOr<Linear> {
-    absl::StatusOr<Linear> linear = Linear::Load(model, s->key, s->in_features, s->out_features);
+  // A linear whole (single rank) or as this rank's window.
+  auto load = [&](const sharding::LinearSpec* s, sharding::IndexRange in,
+                  sharding::IndexRange out, bool bias) -> absl::StatusOr<Linear> {
+    absl::StatusOr<Linear> linear =
+        whole ? Linear::Load(model, s->key, s->in_features, s->out_features)
+              : Linear::LoadWindow(model, s->key, s->in_features, s->out_features, in.begin,
+                                   in.end, out.begin, out.end, bias);
     if (linear.ok()) linear->set_key(s->key);
     return linear;
   };
+  auto spec = [&](int layer, sharding::LinearRole role, int expert) {
+    return arch.Find(layer, role, expert);
+  };
+  using sharding::IndexRange;
   using sharding::LinearRole;
+  const IndexRange all_hidden{0, hidden};
   layers_.resize(arch.num_layers);
   for (int l = 0; l < arch.num_layers; ++l) {
     Layer& layer = layers_[l];
+    const sharding::LayerShard& part = shard.layers[l];
+    EXL3_RETURN_IF_ERROR(check(part.q_heads, arch.num_attention_heads, "query heads"));
+    EXL3_RETURN_IF_ERROR(check(part.kv_heads, arch.num_key_value_heads, "kv heads"));
+    const int64_t group = arch.num_attention_heads / arch.num_key_value_heads;
+    if (!part.q_heads.empty() &&
+        (part.q_heads.begin / group < part.kv_heads.begin ||
+         (part.q_heads.end - 1) / group >= part.kv_heads.end)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("shard plan: layer ", l, ": kv heads [", part.kv_heads.begin, ", ",
+                       part.kv_heads.end, ") do not cover the query heads' kv heads"));
+    }
+    if (part.kv_heads.size() != shard.layers[0].kv_heads.size()) {
+      return absl::UnimplementedError(
+          "shard plan: the number of kv heads per rank must be the same in every layer");
+    }
+    layer.q_head_begin = part.q_heads.begin;
+    layer.num_q_heads = part.q_heads.size();
+    layer.kv_head_begin = part.kv_heads.begin;
+    layer.num_kv_heads = part.kv_heads.size();
     const std::string prefix = absl::StrCat("model.layers.", l);
     EXL3_ASSIGN_OR_RETURN(layer.input_norm, LoadVector(model, prefix + ".input_layernorm.weight", hidden));
     EXL3_ASSIGN_OR_RETURN(layer.post_attention_norm,
                           LoadVector(model, prefix + ".post_attention_layernorm.weight", hidden));
     if (config_.qk_norm) {
       EXL3_ASSIGN_OR_RETURN(layer.q_norm,
-                            LoadVector(model, prefix + ".self_attn.q_norm.weight", arch.head_dim));
+                            LoadVector(model, prefix + ".self_attn.q_norm.weight", hd));
       EXL3_ASSIGN_OR_RETURN(layer.k_norm,
-                            LoadVector(model, prefix + ".self_attn.k_norm.weight", arch.head_dim));
+                            LoadVector(model, prefix + ".self_attn.k_norm.weight", hd));
     }
-    EXL3_ASSIGN_OR_RETURN(layer.q, load(spec(l, LinearRole::kQ, -1)));
-    EXL3_ASSIGN_OR_RETURN(layer.k, load(spec(l, LinearRole::kK, -1)));
-    EXL3_ASSIGN_OR_RETURN(layer.v, load(spec(l, LinearRole::kV, -1)));
-    EXL3_ASSIGN_OR_RETURN(layer.o, load(spec(l, LinearRole::kO, -1)));
+    const IndexRange q_channels{part.q_heads.begin * hd, part.q_heads.end * hd};
+    const IndexRange kv_channels{part.kv_heads.begin * hd, part.kv_heads.end * hd};
+    EXL3_ASSIGN_OR_RETURN(layer.q, load(spec(l, LinearRole::kQ, -1), all_hidden, q_channels, true));
+    EXL3_ASSIGN_OR_RETURN(layer.k, load(spec(l, LinearRole::kK, -1), all_hidden, kv_channels, true));
+    EXL3_ASSIGN_OR_RETURN(layer.v, load(spec(l, LinearRole::kV, -1), all_hidden, kv_channels, true));
+    EXL3_ASSIGN_OR_RETURN(layer.o,
+                          load(spec(l, LinearRole::kO, -1), q_channels, all_hidden, part.o_bias));
     layer.moe = arch.layer_is_moe[l];
     if (!layer.moe) {
-      EXL3_ASSIGN_OR_RETURN(layer.gate, load(spec(l, LinearRole::kGate, -1)));
-      EXL3_ASSIGN_OR_RETURN(layer.up, load(spec(l, LinearRole::kUp, -1)));
-      EXL3_ASSIGN_OR_RETURN(layer.down, load(spec(l, LinearRole::kDown, -1)));
+      EXL3_RETURN_IF_ERROR(check(part.mlp_channels, arch.intermediate_size, "mlp channels"));
+      EXL3_ASSIGN_OR_RETURN(layer.gate, load(spec(l, LinearRole::kGate, -1), all_hidden,
+                                             part.mlp_channels, true));
+      EXL3_ASSIGN_OR_RETURN(layer.up, load(spec(l, LinearRole::kUp, -1), all_hidden,
+                                           part.mlp_channels, true));
+      EXL3_ASSIGN_OR_RETURN(layer.down, load(spec(l, LinearRole::kDown, -1), part.mlp_channels,
+                                             all_hidden, part.down_bias));
       continue;
     }
-    EXL3_ASSIGN_OR_RETURN(layer.router, load(spec(l, LinearRole::kRouter, -1)));
-    layer.experts.resize(arch.num_experts);
-    for (int e = 0; e < arch.num_experts; ++e) {
-      EXL3_ASSIGN_OR_RETURN(layer.experts[e].gate, load(spec(l, LinearRole::kGate, e)));
-      EXL3_ASSIGN_OR_RETURN(layer.experts[e].up, load(spec(l, LinearRole::kUp, e)));
-      EXL3_ASSIGN_OR_RETURN(layer.experts[e].down, load(spec(l, LinearRole::kDown, e)));
+    EXL3_RETURN_IF_ERROR(check(part.experts, arch.num_experts, "experts"));
+    EXL3_RETURN_IF_ERROR(
+        check(part.expert_channels, arch.moe_intermediate_size, "expert channels"));
+    // The router is replicated: every rank routes every token itself (the
+    // inputs are bit-identical, so every rank picks the same experts).
+    EXL3_ASSIGN_OR_RETURN(layer.router, load(spec(l, LinearRole::kRouter, -1), all_hidden,
+                                             IndexRange{0, arch.num_experts}, true));
+    layer.expert_begin = part.experts.begin;
+    layer.experts.resize(part.experts.size());
+    for (int64_t i = 0; i < part.experts.size(); ++i) {
+      const int e = static_cast<int>(part.experts.begin + i);
+      Expert& expert = layer.experts[i];
+      EXL3_ASSIGN_OR_RETURN(expert.gate, load(spec(l, LinearRole::kGate, e), all_hidden,
+                                              part.expert_channels, true));
+      EXL3_ASSIGN_OR_RETURN(expert.up, load(spec(l, LinearRole::kUp, e), all_hidden,
+                                            part.expert_channels, true));
+      EXL3_ASSIGN_OR_RETURN(expert.down, load(spec(l, LinearRole::kDown, e), part.expert_channels,
+                                              all_hidden, part.expert_down_bias));
     }
   }
   EXL3_ASSIGN_OR_RETURN(final_norm_, LoadVector(model, "model.norm.weight", hidden));
 
   // The head: lm_head when the checkpoint has one (also when tied), else the
-  // token embedding, which is then shared rather than held twice.
+  // token embedding. A single rank shares the embedding with a tied head
+  // rather than holding it twice; a rank of a group holds the whole
+  // embedding (replicated) and only its vocab rows of the head.
+  EXL3_RETURN_IF_ERROR(check(shard.vocab, arch.vocab_size, "vocab rows"));
+  vocab_ = shard.vocab;
   const bool has_head = model.FindLinear("lm_head") != nullptr || model.FindPlain("lm_head.weight");
-  if (has_head) {
-    EXL3_ASSIGN_OR_RETURN(head_, load(spec(-1, LinearRole::kHead, -1)));
+  if (!has_head && !arch.tie_word_embeddings) {
+    return absl::NotFoundError(
+        absl::StrCat(model.dir(), ": no `lm_head` and tie_word_embeddings is false"));
+  }
+  if (has_head || !whole) {
     EXL3_ASSIGN_OR_RETURN(Linear embed, Linear::LoadPlain(model, "model.embed_tokens.weight",
                                                           hidden, arch.vocab_size));
     embed_.assign(embed.dense_weight(), embed.dense_weight() + arch.vocab_size * hidden);
-  } else if (arch.tie_word_embeddings) {
+  }
+  if (has_head) {
+    EXL3_ASSIGN_OR_RETURN(head_, load(spec(-1, LinearRole::kHead, -1), all_hidden, vocab_, true));
+  } else if (whole) {
     EXL3_ASSIGN_OR_RETURN(head_, Linear::LoadPlain(model, "model.embed_tokens.weight", hidden,
                                                    arch.vocab_size));
-    head_.set_key("lm_head");
   } else {
-    return absl::NotFoundError(
-        absl::StrCat(model.dir(), ": no `lm_head` and tie_word_embeddings is false"));
+    EXL3_ASSIGN_OR_RETURN(head_, Linear::LoadWindow(model, "model.embed_tokens", hidden,
+                                                    arch.vocab_size, 0, hidden, vocab_.begin,
+                                                    vocab_.end, false));
+  }
+  head_.set_key("lm_head");
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::AllReduce(std::vector<float>& data) const {
+  if (comm_ == nullptr) return absl::OkStatus();
+  return comm_->AllReduce(data.data(), data.size(), comm::CommDataType::kF32,
+                          absl::Now() + collective_timeout_);
+}
+
+absl::Status Transformer::GatherLogits(std::vector<float>& local, int64_t rows,
+                                       std::vector<float>* logits) const {
+  const int64_t vocab = config_.arch.vocab_size;
+  logits->resize(static_cast<size_t>(rows * vocab));
+  if (comm_ == nullptr) {
+    *logits = std::move(local);
+    return absl::OkStatus();
+  }
+  // Every rank's block is rows x (its vocab rows); the ranks' vocab ranges
+  // tile [0, vocab) in rank order (vocab-parallel) or are all whole
+  // (replicated head: nothing to gather).
+  if (vocab_.size() == vocab) {
+    *logits = std::move(local);
+    return absl::OkStatus();
+  }
+  const int world = comm_->world_size();
+  std::vector<int64_t> sizes(world);
+  int64_t mine = vocab_.size();
+  EXL3_RETURN_IF_ERROR(comm_->AllGather(&mine, sizeof(mine), sizes.data(),
+                                        absl::Now() + collective_timeout_));
+  std::vector<size_t> bytes(world);
+  int64_t covered = 0;
+  for (int r = 0; r < world; ++r) {
+    bytes[r] = static_cast<size_t>(rows * sizes[r]) * sizeof(float);
+    covered += sizes[r];
+  }
+  if (covered != vocab) {
+    return absl::InternalError(absl::StrCat("vocab-parallel head: the ranks hold ", covered,
+                                            " of ", vocab, " vocab rows"));
+  }
+  std::vector<float> gathered(static_cast<size_t>(rows * vocab));
+  EXL3_RETURN_IF_ERROR(comm_->AllGatherV(local.data(), bytes, gathered.data(),
+                                         absl::Now() + collective_timeout_));
+  int64_t offset = 0, column = 0;
+  for (int r = 0; r < world; ++r) {
+    for (int64_t i = 0; i < rows; ++i) {
+      std::memcpy(logits->data() + i * vocab + column, gathered.data() + offset + i * sizes[r],
+                  sizeof(float) * sizes[r]);
+    }
+    offset += rows * sizes[r];
+    column += sizes[r];
   }
   return absl::OkStatus();
 }
@@ -172,7 +334,8 @@ void Transformer::SetInputObserver(InputObserver* observer) {
 absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& options) const {
   KvCacheShape shape;
   shape.num_layers = config_.arch.num_layers;
-  shape.num_kv_heads = static_cast<int>(config_.arch.num_key_value_heads);
+  shape.num_kv_heads = static_cast<int>(layers_.empty() ? config_.arch.num_key_value_heads
+                                                        : layers_[0].num_kv_heads);
   shape.head_dim = static_cast<int>(config_.arch.head_dim);
   return PagedKvCache::Create(shape, options);
 }
@@ -180,9 +343,6 @@ absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& op
 absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                                   PagedKvCache* cache, std::vector<float>* logits) const {
   const sharding::ModelArch& arch = config_.arch;
-  const int64_t hidden = arch.hidden_size;
-  const int64_t hd = arch.head_dim;
-  const int64_t nh = arch.num_attention_heads, nkv = arch.num_key_value_heads;
   if (batch.empty()) return absl::InvalidArgumentError("forward: empty batch");
   absl::flat_hash_set<int64_t> seen;
   int64_t total = 0;
@@ -215,8 +375,32 @@ absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsR
         batch[i].seq_id, starts[i] + static_cast<int64_t>(batch[i].tokens.size())));
   }
 
+  // Past validation every rank of a group runs the same collectives; a
+  // failure on this rank alone (a kernel error) aborts the group so the peers
+  // fail now instead of at their deadline.
+  absl::Status status = RunLayers(batch, rows, cache, starts, total, logits);
+  if (!status.ok()) {
+    if (comm_ != nullptr) comm_->Abort(status);
+    return status;
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    cache->SetLength(batch[i].seq_id, starts[i] + static_cast<int64_t>(batch[i].tokens.size()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
+                                    PagedKvCache* cache, const std::vector<int64_t>& starts,
+                                    int64_t total, std::vector<float>* logits) const {
+  const sharding::ModelArch& arch = config_.arch;
+  const int64_t hidden = arch.hidden_size;
+  const int64_t hd = arch.head_dim;
+  // This rank's heads (all of them on a single rank): buffers are sized for
+  // the layer with the most; every layer has as many kv heads as layer 0.
+  int64_t nh = 0, nkv = layers_.empty() ? 0 : layers_[0].num_kv_heads;
+  for (const Layer& layer : layers_) nh = std::max(nh, layer.num_q_heads);
   // h: the residual stream, one row per new token in batch order.
-  const float* embed = embed_.empty() ? head_.dense_weight() : embed_.data();
+  const float* embed = embed_.empty() ? head_.dense_weight() : embed_.data();  // tied, one rank
   std::vector<float> h(static_cast<size_t>(total * hidden));
   {
     int64_t row = 0;
@@ -237,10 +421,12 @@ absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsR
     EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data()));
     EXL3_RETURN_IF_ERROR(Attention(batch, l, cache, starts, q, k, v, &attn));
     EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data()));
+    EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
     a = h;
     RmsNorm(a.data(), total, hidden, layer.post_attention_norm.data(), config_.rms_norm_eps);
     EXL3_RETURN_IF_ERROR(Mlp(layer, a, total, &delta));
+    EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
   }
 
@@ -259,11 +445,9 @@ absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsR
     }
   }
   RmsNorm(selected.data(), out_rows, hidden, final_norm_.data(), config_.rms_norm_eps);
-  logits->resize(static_cast<size_t>(out_rows * arch.vocab_size));
-  EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, logits->data()));
-  for (size_t i = 0; i < batch.size(); ++i) {
-    cache->SetLength(batch[i].seq_id, starts[i] + static_cast<int64_t>(batch[i].tokens.size()));
-  }
+  std::vector<float> local(static_cast<size_t>(out_rows * vocab_.size()));
+  EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, local.data()));
+  EXL3_RETURN_IF_ERROR(GatherLogits(local, out_rows, logits));
   return absl::OkStatus();
 }
 
@@ -274,8 +458,8 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
   const sharding::ModelArch& arch = config_.arch;
   const Layer& layer = layers_[layer_index];
   const int64_t hd = arch.head_dim;
-  const int64_t nh = arch.num_attention_heads, nkv = arch.num_key_value_heads;
-  const int64_t group = nh / nkv;
+  const int64_t nh = layer.num_q_heads, nkv = layer.num_kv_heads;
+  const int64_t group = arch.num_attention_heads / arch.num_key_value_heads;
   const int64_t window = config_.sliding_window;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
@@ -310,7 +494,7 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
       const int64_t pos = start + t;
       const int64_t first = window > 0 ? std::max(lo, pos - window + 1) : lo;
       const float* qv = qb + (t * nh + head) * hd;
-      const int64_t g = head / group;
+      const int64_t g = (layer.q_head_begin + head) / group - layer.kv_head_begin;
       float* scores = scratch[worker].data();
       float max_score = -INFINITY;
       for (int64_t j = first; j <= pos; ++j) {
@@ -356,6 +540,8 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   // Route: softmax over all experts, keep the top k (lower index first on
   // ties), optionally renormalise.
   const int experts = arch.num_experts, top_k = arch.num_experts_per_token;
+  const int64_t held_begin = layer.expert_begin;
+  const int64_t held_end = held_begin + static_cast<int64_t>(layer.experts.size());
   std::vector<float> router(m * experts);
   EXL3_RETURN_IF_ERROR(layer.router.Forward(a.data(), m, router.data()));
   std::vector<std::vector<int64_t>> rows_of(experts);
@@ -380,7 +566,7 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   }
   std::fill(out->begin(), out->begin() + m * hidden, 0.0f);
   std::vector<float> x, y;
-  for (int e = 0; e < experts; ++e) {
+  for (int64_t e = held_begin; e < held_end; ++e) {  // the experts this rank holds
     const std::vector<int64_t>& rows = rows_of[e];
     if (rows.empty()) continue;
     const int64_t count = static_cast<int64_t>(rows.size());
@@ -389,7 +575,7 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
     for (int64_t i = 0; i < count; ++i) {
       std::memcpy(&x[i * hidden], &a[rows[i] * hidden], sizeof(float) * hidden);
     }
-    const Expert& expert = layer.experts[e];
+    const Expert& expert = layer.experts[e - held_begin];
     EXL3_RETURN_IF_ERROR(gated(expert.gate, expert.up, expert.down, x.data(), count, y.data()));
     for (int64_t i = 0; i < count; ++i) {
       float* o = out->data() + rows[i] * hidden;

@@ -31,12 +31,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "sharding/shard_plan.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/linear.h"
 #include "worker/model/model_config.h"
 
 namespace exl3serve::sharding {
 class Exl3Model;
+}
+namespace exl3serve::worker::comm {
+class Communicator;
 }
 
 namespace exl3serve::worker {
@@ -53,6 +58,24 @@ enum class LogitsRows {
   kAllTokens,  // one row per new token, sequences in batch order
 };
 
+// config.json (+ generation_config.json when present) of model directory
+// `dir`. Errors: NotFound, DataLoss for malformed JSON, those of
+// ModelConfigFromJson.
+absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir);
+
+// Tensor/expert parallelism: this process is one rank of a group that runs
+// the model together (sharding/shard_plan.h says who holds what). Each rank
+// computes its query heads (and the KV heads they use; its cache holds only
+// those), its MLP channels, its experts' channels and its vocab rows; the
+// partial outputs of o_proj, down_proj and the MoE block are all-reduced
+// (so the residual stream is bit-identical on every rank) and the head's
+// logits all-gathered, so every rank's Forward returns the full logits.
+struct TensorParallelism {
+  sharding::RankShard shard;                 // this rank's part of the plan
+  comm::Communicator* comm = nullptr;        // borrowed; outlives the model
+  absl::Duration collective_timeout = absl::Seconds(60);  // per collective
+};
+
 // Thread safety: immutable after Load; Forward is const and may run
 // concurrently on different caches (the kernels share one thread pool, so
 // concurrent calls serialise there).
@@ -66,6 +89,15 @@ class Transformer {
   // Unimplemented for an unsupported architecture or feature (see
   // ModelConfigFromJson). Cost: reads all weights into memory.
   static absl::StatusOr<std::unique_ptr<Transformer>> Load(const std::string& dir);
+
+  // One rank of a tensor/expert-parallel group: reads only the rank's slices
+  // (plus the replicated embedding, norms and routers). Every rank of the
+  // group must call Forward with the same batches in the same order.
+  // Errors: those of Load; InvalidArgument when the shard does not fit the
+  // model (layer count, ranges) or comm is null; Unimplemented for a plan
+  // whose KV head count differs between layers.
+  static absl::StatusOr<std::unique_ptr<Transformer>> LoadShard(const std::string& dir,
+                                                                const TensorParallelism& tp);
 
   const ModelConfig& config() const { return config_; }
   int64_t vocab_size() const { return config_.arch.vocab_size; }
@@ -81,9 +113,14 @@ class Transformer {
   // or a token id outside [0, vocab_size) (named); NotFound for a sequence
   // the cache lacks; ResourceExhausted when the cache has no room (pages
   // reserved for earlier entries stay reserved); errors of the kernels.
-  // On error no sequence's committed length changes.
+  // On error no sequence's committed length changes. With tensor
+  // parallelism, also the errors of the collectives (DeadlineExceeded,
+  // Unavailable, Aborted: the group is broken and must be re-formed).
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        PagedKvCache* cache, std::vector<float>* logits) const;
+
+  // Bytes this process read from the checkpoint while loading.
+  uint64_t bytes_read() const { return bytes_read_; }
 
   // Attaches `observer` (borrowed; nullptr detaches) to every linear, so it
   // sees each linear's input during Forward (calibration).
@@ -94,17 +131,32 @@ class Transformer {
     Linear gate, up, down;
   };
   struct Layer {
+    // The heads this rank computes (all of them without parallelism).
+    int64_t q_head_begin = 0, num_q_heads = 0;
+    int64_t kv_head_begin = 0, num_kv_heads = 0;
     std::vector<float> input_norm, post_attention_norm;
     std::vector<float> q_norm, k_norm;  // qk_norm only
     Linear q, k, v, o;
     bool moe = false;
     Linear gate, up, down;  // dense MLP
     Linear router;          // MoE
-    std::vector<Expert> experts;
+    int64_t expert_begin = 0;     // experts[i] is expert expert_begin + i
+    std::vector<Expert> experts;  // the ones this rank holds
   };
 
   Transformer() = default;
-  absl::Status LoadWeights(const sharding::Exl3Model& model);
+  static absl::StatusOr<std::unique_ptr<Transformer>> LoadImpl(const std::string& dir,
+                                                               const TensorParallelism* tp);
+  absl::Status LoadWeights(const sharding::Exl3Model& model, const sharding::RankShard& shard);
+  // Forward after validation: embedding, layers, head.
+  absl::Status RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
+                         PagedKvCache* cache, const std::vector<int64_t>& starts, int64_t total,
+                         std::vector<float>* logits) const;
+  // Sums `data` over the ranks (no-op on a single rank).
+  absl::Status AllReduce(std::vector<float>& data) const;
+  // The full logits from this rank's vocab rows (rows x vocab_begin..end).
+  absl::Status GatherLogits(std::vector<float>& local, int64_t rows,
+                            std::vector<float>* logits) const;
   absl::Status Attention(std::span<const SequenceTokens> batch, int layer, PagedKvCache* cache,
                          const std::vector<int64_t>& starts, std::vector<float>& q,
                          std::vector<float>& k, const std::vector<float>& v,
@@ -117,7 +169,11 @@ class Transformer {
   std::vector<float> embed_;  // [vocab][hidden]; empty when shared with a tied head
   std::vector<Layer> layers_;
   std::vector<float> final_norm_;
-  Linear head_;
+  Linear head_;  // this rank's vocab rows [vocab_.begin, vocab_.end)
+  sharding::IndexRange vocab_;
+  comm::Communicator* comm_ = nullptr;  // null: a single rank
+  uint64_t bytes_read_ = 0;
+  absl::Duration collective_timeout_;
 };
 
 }  // namespace exl3serve::worker

@@ -1,0 +1,67 @@
+// worker/model/step_executor.h — what a generation loop needs from "the
+// model": sequences with cached state and forwards over a batch of their new
+// tokens. One interface for a model in this process (LocalStepExecutor) and
+// for a group of rank processes (worker/local_group.h), so the loop
+// (generator.h) and the tests run unchanged on either.
+//
+//   LocalStepExecutor local(model.get(), std::move(cache));
+//   EXL3_RETURN_IF_ERROR(local.AddSequence(7));
+//   EXL3_RETURN_IF_ERROR(local.Forward(batch, LogitsRows::kLastToken, &logits));
+#ifndef EXL3SERVE_WORKER_MODEL_STEP_EXECUTOR_H_
+#define EXL3SERVE_WORKER_MODEL_STEP_EXECUTOR_H_
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "worker/model/kv_cache.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::worker {
+
+// Thread safety: one caller at a time.
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  virtual int64_t vocab_size() const = 0;
+  // AlreadyExists when seq_id is in use; Unavailable when the executor is
+  // broken (a rank died).
+  virtual absl::Status AddSequence(int64_t seq_id) = 0;
+  // NotFound for an unknown seq_id.
+  virtual absl::Status RemoveSequence(int64_t seq_id) = 0;
+  // As Transformer::Forward, with the executor's own cache.
+  virtual absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
+                               std::vector<float>* logits) = 0;
+};
+
+// A Transformer of this process and a cache. Borrows the model (which must
+// outlive it); owns or borrows the cache.
+class LocalStepExecutor final : public StepExecutor {
+ public:
+  LocalStepExecutor(const Transformer* model, PagedKvCache cache)
+      : model_(model), owned_(std::move(cache)), cache_(&*owned_) {}
+  LocalStepExecutor(const Transformer* model, PagedKvCache* cache)
+      : model_(model), cache_(cache) {}
+  LocalStepExecutor(const LocalStepExecutor&) = delete;
+  LocalStepExecutor& operator=(const LocalStepExecutor&) = delete;
+
+  int64_t vocab_size() const override { return model_->vocab_size(); }
+  absl::Status AddSequence(int64_t seq_id) override { return cache_->AddSequence(seq_id); }
+  absl::Status RemoveSequence(int64_t seq_id) override { return cache_->RemoveSequence(seq_id); }
+  absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
+                       std::vector<float>* logits) override {
+    return model_->Forward(batch, rows, cache_, logits);
+  }
+  PagedKvCache& cache() { return *cache_; }
+
+ private:
+  const Transformer* model_;
+  std::optional<PagedKvCache> owned_;
+  PagedKvCache* cache_;
+};
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_MODEL_STEP_EXECUTOR_H_

@@ -1,0 +1,199 @@
+#include "worker/rank/control_wire.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace exl3serve::worker::rank {
+namespace {
+
+// Milliseconds until `deadline` for poll(): -1 forever, 0 when past.
+int PollTimeoutMs(absl::Time deadline) {
+  if (deadline == absl::InfiniteFuture()) return -1;
+  const absl::Duration left = deadline - absl::Now();
+  if (left <= absl::ZeroDuration()) return 0;
+  return static_cast<int>(std::min<int64_t>(absl::ToInt64Milliseconds(left) + 1, 60'000));
+}
+
+absl::Status WaitFd(int fd, short events, absl::Time deadline, const char* what) {
+  while (true) {
+    pollfd p{fd, events, 0};
+    const int timeout = PollTimeoutMs(deadline);
+    const int rc = poll(&p, 1, timeout);
+    if (rc > 0) return absl::OkStatus();  // ready, or HUP/ERR: the read/write says which
+    if (rc < 0 && errno != EINTR) {
+      return absl::InternalError(absl::StrCat(what, ": poll: ", std::strerror(errno)));
+    }
+    if (rc == 0 && timeout == 0) {
+      return absl::DeadlineExceededError(absl::StrCat(what, ": deadline passed"));
+    }
+  }
+}
+
+absl::Status ReadAll(int fd, char* p, size_t n, absl::Time deadline) {
+  while (n > 0) {
+    if (absl::Status s = WaitFd(fd, POLLIN, deadline, "control read"); !s.ok()) return s;
+    const ssize_t got = read(fd, p, n);
+    if (got == 0) return absl::UnavailableError("control channel closed by the peer");
+    if (got < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return absl::UnavailableError(absl::StrCat("control read: ", std::strerror(errno)));
+    }
+    p += got;
+    n -= static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void WireWriter::Raw(const void* p, size_t n) {
+  buf_.append(static_cast<const char*>(p), n);
+}
+
+void WireWriter::Str(std::string_view s) {
+  U32(static_cast<uint32_t>(s.size()));
+  Raw(s.data(), s.size());
+}
+
+void WireWriter::I32s(const int32_t* v, size_t n) {
+  U32(static_cast<uint32_t>(n));
+  Raw(v, n * sizeof(int32_t));
+}
+
+void WireWriter::F32s(const float* v, size_t n) {
+  U64(n);
+  Raw(v, n * sizeof(float));
+}
+
+bool WireReader::Raw(void* p, size_t n) {
+  if (!ok_ || data_.size() - pos_ < n) {
+    ok_ = false;
+    return false;
+  }
+  std::memcpy(p, data_.data() + pos_, n);
+  pos_ += n;
+  return true;
+}
+
+uint8_t WireReader::U8() {
+  uint8_t v = 0;
+  Raw(&v, 1);
+  return v;
+}
+uint32_t WireReader::U32() {
+  uint32_t v = 0;
+  Raw(&v, 4);
+  return v;
+}
+int64_t WireReader::I64() {
+  int64_t v = 0;
+  Raw(&v, 8);
+  return v;
+}
+uint64_t WireReader::U64() {
+  uint64_t v = 0;
+  Raw(&v, 8);
+  return v;
+}
+
+std::string WireReader::Str() {
+  const uint32_t n = U32();
+  if (!ok_ || data_.size() - pos_ < n) {
+    ok_ = false;
+    return {};
+  }
+  std::string s(data_.substr(pos_, n));
+  pos_ += n;
+  return s;
+}
+
+std::vector<int32_t> WireReader::I32s() {
+  const uint32_t n = U32();
+  if (!ok_ || (data_.size() - pos_) / sizeof(int32_t) < n) {
+    ok_ = false;
+    return {};
+  }
+  std::vector<int32_t> v(n);
+  Raw(v.data(), n * sizeof(int32_t));
+  return v;
+}
+
+std::vector<float> WireReader::F32s() {
+  const uint64_t n = U64();
+  if (!ok_ || (data_.size() - pos_) / sizeof(float) < n) {
+    ok_ = false;
+    return {};
+  }
+  std::vector<float> v(n);
+  Raw(v.data(), n * sizeof(float));
+  return v;
+}
+
+absl::Status WireReader::Finish(std::string_view what) const {
+  if (!ok_) return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": truncated message"));
+  if (!at_end()) {
+    return absl::InvalidArgumentError(absl::StrCat(std::string(what), ": ", data_.size() - pos_,
+                                                   " unexpected trailing bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteFrame(int fd, std::string_view payload, absl::Time deadline) {
+  if (payload.size() > kMaxFrameBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("control frame of ", payload.size(), " bytes exceeds the limit"));
+  }
+  const uint32_t length = static_cast<uint32_t>(payload.size());
+  std::string frame(reinterpret_cast<const char*>(&length), 4);
+  frame.append(payload);
+  const char* p = frame.data();
+  size_t n = frame.size();
+  while (n > 0) {
+    if (absl::Status s = WaitFd(fd, POLLOUT, deadline, "control write"); !s.ok()) return s;
+    const ssize_t put = send(fd, p, n, MSG_NOSIGNAL);
+    if (put < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return absl::UnavailableError(absl::StrCat("control write: ", std::strerror(errno)));
+    }
+    p += put;
+    n -= static_cast<size_t>(put);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFrame(int fd, absl::Time deadline) {
+  uint32_t length = 0;
+  if (absl::Status s = ReadAll(fd, reinterpret_cast<char*>(&length), 4, deadline); !s.ok()) {
+    return s;
+  }
+  if (length > kMaxFrameBytes) {
+    return absl::DataLossError(absl::StrCat("control frame announces ", length, " bytes"));
+  }
+  std::string payload(length, '\0');
+  if (absl::Status s = ReadAll(fd, payload.data(), length, deadline); !s.ok()) return s;
+  return payload;
+}
+
+void WriteStatus(WireWriter& w, const absl::Status& status) {
+  w.U32(static_cast<uint32_t>(status.code()));
+  w.Str(std::string(status.message()));
+}
+
+absl::Status ReadStatus(WireReader& r) {
+  const uint32_t code = r.U32();
+  std::string message = r.Str();
+  if (!r.ok()) return absl::DataLossError("control: truncated status");
+  if (code > static_cast<uint32_t>(absl::StatusCode::kUnauthenticated)) {
+    return absl::DataLossError(absl::StrCat("control: unknown status code ", code));
+  }
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+}  // namespace exl3serve::worker::rank

@@ -1,0 +1,93 @@
+// worker/rank/control_wire.h — the frames a local driver (local_group.h) and
+// its rank processes (rank_server.h) exchange over a socketpair: a 4-byte
+// little-endian length, then the payload, built and parsed with WireWriter /
+// WireReader (little-endian integers, length-prefixed strings and arrays).
+//
+// This is the single-box control channel of `exl3serve generate --tp N`; the
+// coordinator's gRPC protocol (proto/) replaces it across boxes. Versioned:
+// the first frame a rank sends carries kControlWireVersion and the driver
+// refuses a mismatch.
+#ifndef EXL3SERVE_WORKER_RANK_CONTROL_WIRE_H_
+#define EXL3SERVE_WORKER_RANK_CONTROL_WIRE_H_
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace exl3serve::worker::rank {
+
+inline constexpr uint32_t kControlWireVersion = 1;
+// Frames larger than this are refused (a corrupt length must not allocate).
+inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
+
+enum class ControlOp : uint8_t {
+  kAddSequence = 1,     // i64 seq_id
+  kRemoveSequence = 2,  // i64 seq_id
+  kForward = 3,         // u8 rows (0 last token, 1 all), u32 n, n x {i64 seq, i32[] tokens}
+  kShutdown = 4,        // no payload; the rank replies OK and exits 0
+};
+
+class WireWriter {
+ public:
+  void U8(uint8_t v) { Raw(&v, 1); }
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void I64(int64_t v) { Raw(&v, 8); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void Str(std::string_view s);
+  void I32s(const int32_t* v, size_t n);
+  void F32s(const float* v, size_t n);
+  const std::string& data() const { return buf_; }
+  std::string Take() { return std::move(buf_); }
+
+ private:
+  void Raw(const void* p, size_t n);
+  std::string buf_;  // x86-64 only: host order is little-endian
+};
+
+// Reads fields in order; after the first short read every call fails and
+// ok() is false, so a caller checks once at the end.
+class WireReader {
+ public:
+  explicit WireReader(std::string_view data) : data_(data) {}
+  uint8_t U8();
+  uint32_t U32();
+  int64_t I64();
+  uint64_t U64();
+  std::string Str();
+  std::vector<int32_t> I32s();
+  std::vector<float> F32s();
+  bool ok() const { return ok_; }
+  bool at_end() const { return pos_ == data_.size(); }
+  // The bytes not read yet.
+  std::string_view rest() const { return data_.substr(pos_); }
+  // InvalidArgument naming `what` unless every field was read and nothing is left.
+  absl::Status Finish(std::string_view what) const;
+
+ private:
+  bool Raw(void* p, size_t n);
+  std::string_view data_;
+  size_t pos_ = 0;
+  bool ok_ = true;
+};
+
+// Writes one frame, all of it, by `deadline`. Errors: Unavailable when the
+// peer has gone (EPIPE/ECONNRESET; SIGPIPE is not raised), DeadlineExceeded.
+absl::Status WriteFrame(int fd, std::string_view payload, absl::Time deadline);
+
+// Reads one frame by `deadline` (absl::InfiniteFuture() to wait forever).
+// Errors: Unavailable on end of file (the peer exited) or a reset,
+// DeadlineExceeded, DataLoss for a frame above kMaxFrameBytes.
+absl::StatusOr<std::string> ReadFrame(int fd, absl::Time deadline);
+
+// A status as bytes (code + message) and back.
+void WriteStatus(WireWriter& w, const absl::Status& status);
+absl::Status ReadStatus(WireReader& r);
+
+}  // namespace exl3serve::worker::rank
+
+#endif  // EXL3SERVE_WORKER_RANK_CONTROL_WIRE_H_

@@ -1,0 +1,109 @@
+// worker/rank/local_group.h — `exl3serve generate --tp N`'s driver: starts N
+// rank processes (`exl3serve worker`, rank_server.h), each optionally behind a
+// wrapper command (e.g. `ip netns exec BOX` to put it on another "box"), and
+// runs them as one StepExecutor: every command goes to every rank, rank 0's
+// reply carries the logits.
+//
+//   LocalGroupOptions options;  options.model_dir = dir;  options.world_size = 2;
+//   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<LocalGroup> group, LocalGroup::Start(options));
+//   EXL3_RETURN_IF_ERROR(group->AddSequence(0));
+//   EXL3_RETURN_IF_ERROR(group->Forward(batch, LogitsRows::kLastToken, &logits));
+//
+// Failure: a rank that exits or stops answering within step_timeout breaks
+// the group: the call returns Unavailable / DeadlineExceeded naming the rank
+// (and its exit status), every later call fails the same way, and the
+// destructor shuts every rank down (SIGKILL after a grace period), so no
+// process outlives the group. The coordinator (issue 6) replaces this
+// driver; the rank side stays.
+#ifndef EXL3SERVE_WORKER_RANK_LOCAL_GROUP_H_
+#define EXL3SERVE_WORKER_RANK_LOCAL_GROUP_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "worker/comm/comm_factory.h"
+#include "worker/model/kv_cache.h"
+#include "worker/model/step_executor.h"
+
+namespace exl3serve::worker::rank {
+
+struct LocalGroupOptions {
+  std::string model_dir;
+  int world_size = 2;
+  int expert_parallel = 0;
+  // The rank binary: the `exl3serve` executable (its `worker` subcommand).
+  // Empty: this process's own executable.
+  std::string executable;
+  // Backend "shm" (segment name chosen here when empty) or "ucx" (then
+  // bootstrap_address must be reachable by every rank).
+  comm::CommSpec comm;
+  // Per rank, words put before the executable (empty = none); e.g.
+  // {"ip", "netns", "exec", "box-a"}. Size 0 or world_size.
+  std::vector<std::vector<std::string>> rank_wrappers;
+  int threads_per_rank = 1;
+  KvCacheOptions kv;
+  absl::Duration load_timeout = absl::Minutes(5);
+  absl::Duration step_timeout = absl::Seconds(60);
+};
+
+class LocalGroup final : public StepExecutor {
+ public:
+  // Starts the ranks and waits until every one has loaded (or one fails).
+  // Errors: InvalidArgument for bad options; the first rank's load error
+  // (prefixed "rank R: "); Unavailable when a rank exits during start-up;
+  // FailedPrecondition for a rank binary speaking another control version.
+  static absl::StatusOr<std::unique_ptr<LocalGroup>> Start(const LocalGroupOptions& options);
+  ~LocalGroup() override;
+
+  int64_t vocab_size() const override { return vocab_size_; }
+  absl::Status AddSequence(int64_t seq_id) override;
+  absl::Status RemoveSequence(int64_t seq_id) override;
+  absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
+                       std::vector<float>* logits) override;
+
+  // Stops every rank: a shutdown command, then SIGKILL for those that have not
+  // exited by `grace`. Idempotent; the destructor calls it.
+  void Shutdown(absl::Duration grace = absl::Seconds(5));
+
+  int world_size() const { return static_cast<int>(ranks_.size()); }
+  pid_t rank_pid(int rank) const { return ranks_[rank].pid; }
+  // Checkpoint bytes each rank read while loading, and what the plan gave it.
+  uint64_t bytes_read(int rank) const { return ranks_[rank].bytes_read; }
+  uint64_t planned_bytes(int rank) const { return ranks_[rank].planned_bytes; }
+  // OK, or the failure that broke the group.
+  const absl::Status& health() const { return broken_; }
+
+ private:
+  struct Rank {
+    pid_t pid = -1;
+    int fd = -1;  // the driver's end of the control socketpair
+    uint64_t bytes_read = 0, planned_bytes = 0;
+    bool exited = false;
+  };
+  LocalGroup() = default;
+  // Sends `request` to every rank and collects every reply (rank 0's body in
+  // *rank0_body). Breaks the group on a transport failure.
+  absl::Status RoundTrip(const std::string& request, absl::Duration timeout,
+                         std::string* rank0_body);
+  // "rank R (pid P) exited with status S" / "... has not answered": for messages.
+  std::string DescribeRank(int rank);
+  absl::Status Break(absl::Status status);
+
+  std::vector<Rank> ranks_;
+  std::string shm_name_;
+  int64_t vocab_size_ = 0;
+  absl::Duration step_timeout_;
+  absl::Status broken_;
+  bool shut_down_ = false;
+};
+
+}  // namespace exl3serve::worker::rank
+
+#endif  // EXL3SERVE_WORKER_RANK_LOCAL_GROUP_H_
