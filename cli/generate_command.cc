@@ -61,6 +61,9 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     std::string comm = "shm", bootstrap, ucx_tls;
     std::vector<std::string> rank_wrappers;
     int64_t step_timeout_ms = 60'000;
+    bool spill_embeddings = false;
+    uint64_t spill_cache_bytes = 64ull << 20;
+    std::string spill_cache_dir;
   };
   auto args = std::make_shared<Args>();
   args->sampling.temperature = 0.0f;
@@ -109,6 +112,14 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
   app.add_option("--step-timeout-ms", args->step_timeout_ms,
                  "with --tp: a step (and each collective) must finish within this")
       ->capture_default_str();
+  app.add_flag("--spill-embeddings", args->spill_embeddings,
+               "read the token embedding from disk through a bounded, checksummed row cache "
+               "instead of holding it in memory (single rank)");
+  app.add_option("--spill-cache-bytes", args->spill_cache_bytes,
+                 "with --spill-embeddings: row cache budget in bytes")
+      ->capture_default_str();
+  app.add_option("--spill-cache-dir", args->spill_cache_dir,
+                 "with --spill-embeddings: keep block checksums here (else recomputed per run)");
   app.add_option("--logits-out", args->logits_out,
                  "write the logits of every generated token as a float32 .npy [steps, vocab]");
   return [args]() -> absl::Status {
@@ -117,8 +128,18 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     // when ranks do).
     std::vector<int32_t> eos_ids;
     std::unique_ptr<worker::Transformer> model;
+    if (args->spill_embeddings && ranks != 1) {
+      return absl::InvalidArgumentError(
+          "--spill-embeddings works on a single rank for now (drop --tp/--ep)");
+    }
     if (ranks == 1) {
-      EXL3_ASSIGN_OR_RETURN(model, worker::Transformer::Load(args->model));
+      worker::TransformerLoadOptions load_options;
+      if (args->spill_embeddings) {
+        load_options.spill.spill = {"model.embed_tokens.weight"};
+        load_options.spill.cache_budget_bytes = args->spill_cache_bytes;
+        load_options.spill.cache_dir = args->spill_cache_dir;
+      }
+      EXL3_ASSIGN_OR_RETURN(model, worker::Transformer::Load(args->model, load_options));
       eos_ids = model->config().eos_token_ids;
     } else {
       EXL3_ASSIGN_OR_RETURN(worker::ModelConfig config, worker::ReadModelConfig(args->model));

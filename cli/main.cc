@@ -44,7 +44,15 @@ int main(int argc, char** argv) {
   add(exl3serve::cli::RegisterPlanCommand, "plan",
       "print which rank holds which heads, channels, experts and vocab rows of a model, and its bytes");
   add(exl3serve::cli::RegisterWorkerCommand, "worker",
-      "one rank of a tensor/expert-parallel group (started by `generate --tp N`)");
+      "one rank of a tensor/expert-parallel group (--coordinator HOST:PORT, or started by `generate --tp N`)");
+  add(exl3serve::cli::RegisterServeCommand, "serve",
+      "serve a model over gRPC (exl3serve.v1.Generation) on N local rank processes");
+  add(exl3serve::cli::RegisterClientCommand, "client",
+      "talk to a running server: stream a generation, --info, or --health");
+  add(exl3serve::cli::RegisterBenchServeCommand, "bench-serve",
+      "load-test a running server: throughput, TTFT and inter-token latency p50/p99");
+  add(exl3serve::cli::RegisterCoordinatorCommand, "coordinator",
+      "the cluster coordinator: ranks (`worker --coordinator`) on any box register here");
   app.require_subcommand(0, 1);
 
   try {

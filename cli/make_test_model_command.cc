@@ -26,6 +26,9 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   app.add_option("--shards", args->model.num_shards, "number of safetensors files")
       ->capture_default_str();
   app.add_flag("--tie-embeddings", args->model.tie_word_embeddings);
+  app.add_flag("--peaked-logits", args->model.peaked_logits,
+               "large logit margins: greedy decoding is deterministic under batching and "
+               "quantization (ignored with --tie-embeddings)");
   return [args]() -> absl::Status {
     absl::Status status = sharding::WriteTestModel(args->out, args->model);
     if (status.ok()) std::printf("wrote %s (%s)\n", args->out.c_str(), args->model.arch.c_str());

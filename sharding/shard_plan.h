@@ -112,6 +112,9 @@ struct RankShard {
   IndexRange vocab;                // head output rows (all when replicated)
   uint64_t weight_bytes = 0;       // bytes of stored tensors this rank reads
   uint64_t replicated_bytes = 0;   // of which: replicated (embedding, norms, router, KV copies)
+  // TODO(issue 8): which row-lookup tables (embedding, n-gram tables) this
+  // rank needs on its local disk and whether they spill (sharding/spill_store.h
+  // SpillPolicy), so a deployment can place them before the rank starts.
 };
 
 // Thread safety: a plain value type (thread-compatible).

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/transformer.h"
 
@@ -34,6 +35,14 @@ class StepExecutor {
   // As Transformer::Forward, with the executor's own cache.
   virtual absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                                std::vector<float>* logits) = 0;
+
+  // Re-forms a broken executor by `deadline` — new rank processes, or ranks
+  // that re-registered — after which it holds no sequences (callers replay
+  // them). Unimplemented when the executor cannot (a model in this process
+  // does not break that way); the error that prevented it otherwise.
+  virtual absl::Status Recover(absl::Time deadline) {
+    return absl::UnimplementedError("this executor cannot be re-formed");
+  }
 };
 
 // A Transformer of this process and a cache. Borrows the model (which must

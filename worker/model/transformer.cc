@@ -98,7 +98,12 @@ absl::StatusOr<ModelConfig> ReadModelConfig(const std::string& dir) {
 }
 
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir) {
-  return LoadImpl(dir, nullptr);
+  return LoadImpl(dir, nullptr, TransformerLoadOptions{});
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::Load(
+    const std::string& dir, const TransformerLoadOptions& options) {
+  return LoadImpl(dir, nullptr, options);
 }
 
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadShard(const std::string& dir,
@@ -106,11 +111,11 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadShard(const std::s
   if (tp.comm == nullptr) {
     return absl::InvalidArgumentError("tensor parallelism needs a communicator");
   }
-  return LoadImpl(dir, &tp);
+  return LoadImpl(dir, &tp, TransformerLoadOptions{});
 }
 
-absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(const std::string& dir,
-                                                                   const TensorParallelism* tp) {
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(
+    const std::string& dir, const TensorParallelism* tp, const TransformerLoadOptions& options) {
   std::unique_ptr<Transformer> model(new Transformer());
   EXL3_ASSIGN_OR_RETURN(model->config_, ReadModelConfig(dir));
   if (model->config_.arch.head_dim % 2 != 0) {
@@ -123,16 +128,18 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(const std::st
   if (tp != nullptr) {
     model->comm_ = tp->comm;
     model->collective_timeout_ = tp->collective_timeout;
-    EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint, tp->shard));
+    EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint, tp->shard, options));
   } else {
-    EXL3_RETURN_IF_ERROR(model->LoadWeights(*checkpoint, WholeModelShard(model->config_.arch)));
+    EXL3_RETURN_IF_ERROR(
+        model->LoadWeights(*checkpoint, WholeModelShard(model->config_.arch), options));
   }
   model->bytes_read_ = checkpoint->bytes_read();
   return model;
 }
 
 absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
-                                      const sharding::RankShard& shard) {
+                                      const sharding::RankShard& shard,
+                                      const TransformerLoadOptions& options) {
   const sharding::ModelArch& arch = config_.arch;
   const int64_t hidden = arch.hidden_size;
   const int64_t hd = arch.head_dim;
@@ -248,7 +255,28 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
     return absl::NotFoundError(
         absl::StrCat(model.dir(), ": no `lm_head` and tie_word_embeddings is false"));
   }
-  if (has_head || !whole) {
+  // A spilled embedding (TransformerLoadOptions::spill) stays on disk; the
+  // head below is loaded as without spilling (a tied head stays resident).
+  constexpr char kEmbedName[] = "model.embed_tokens.weight";
+  const uint64_t embed_resident_bytes = static_cast<uint64_t>(arch.vocab_size * hidden) * 4;
+  const sharding::SpillCandidate embed_candidate{kEmbedName, embed_resident_bytes};
+  const uint64_t stored = model.checkpoint().total_tensor_bytes();
+  EXL3_ASSIGN_OR_RETURN(
+      std::vector<std::string> spilled,
+      sharding::ChooseSpilledTensors(options.spill, {&embed_candidate, 1},
+                                     stored > embed_resident_bytes ? stored - embed_resident_bytes : 0));
+  if (!spilled.empty()) {
+    std::optional<sharding::SafetensorsCheckpoint::Located> located =
+        model.checkpoint().Find(kEmbedName);
+    if (!located) return absl::NotFoundError(absl::StrCat(model.dir(), ": no `", kEmbedName, "`"));
+    EXL3_ASSIGN_OR_RETURN(embed_spill_, sharding::SpillStore::Open(*located->file, kEmbedName,
+                                                                   options.spill.StoreOptions()));
+    if (embed_spill_->rows() != arch.vocab_size || embed_spill_->width() != hidden) {
+      return absl::DataLossError(absl::StrCat(model.dir(), ": tensor `", kEmbedName,
+                                              "` must have shape [", arch.vocab_size, ",", hidden,
+                                              "]"));
+    }
+  } else if (has_head || !whole) {
     EXL3_ASSIGN_OR_RETURN(Linear embed, Linear::LoadPlain(model, "model.embed_tokens.weight",
                                                           hidden, arch.vocab_size));
     embed_.assign(embed.dense_weight(), embed.dense_weight() + arch.vocab_size * hidden);
@@ -402,7 +430,13 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   // h: the residual stream, one row per new token in batch order.
   const float* embed = embed_.empty() ? head_.dense_weight() : embed_.data();  // tied, one rank
   std::vector<float> h(static_cast<size_t>(total * hidden));
-  {
+  if (embed_spill_ != nullptr) {
+    // The whole batch's rows in one gather (sorted, coalesced reads).
+    std::vector<int64_t> ids;
+    ids.reserve(static_cast<size_t>(total));
+    for (const SequenceTokens& entry : batch) ids.insert(ids.end(), entry.tokens.begin(), entry.tokens.end());
+    EXL3_RETURN_IF_ERROR(embed_spill_->Lookup(ids, h.data()));
+  } else {
     int64_t row = 0;
     for (const SequenceTokens& entry : batch) {
       for (int32_t id : entry.tokens) {

@@ -33,6 +33,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "sharding/shard_plan.h"
+#include "sharding/spill_store.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/linear.h"
 #include "worker/model/model_config.h"
@@ -76,6 +77,21 @@ struct TensorParallelism {
   absl::Duration collective_timeout = absl::Seconds(60);  // per collective
 };
 
+// How Load treats the weights. Today: which row-lookup tables stay on disk.
+struct TransformerLoadOptions {
+  // The token embedding ("model.embed_tokens.weight", the only row-lookup
+  // table of the supported models) spills when this policy picks it
+  // (sharding::ChooseSpilledTensors; its resident cost counts as fp32): its
+  // rows are then read per Forward from the checkpoint (or an extracted copy)
+  // through a bounded, checksummed cache, bit-identical to the resident rows.
+  // A tied head (no lm_head, tie_word_embeddings) stays resident either way:
+  // it multiplies every row each step, so reading it from disk would read the
+  // whole table per token; on a single rank spilling a tied embedding
+  // therefore saves no memory (the lookups still go through the store).
+  // The default policy spills nothing.
+  sharding::SpillPolicy spill;
+};
+
 // Thread safety: immutable after Load; Forward is const and may run
 // concurrently on different caches (the kernels share one thread pool, so
 // concurrent calls serialise there).
@@ -89,6 +105,11 @@ class Transformer {
   // Unimplemented for an unsupported architecture or feature (see
   // ModelConfigFromJson). Cost: reads all weights into memory.
   static absl::StatusOr<std::unique_ptr<Transformer>> Load(const std::string& dir);
+  // The same with options. Errors also: those of ChooseSpilledTensors and
+  // SpillStore::Open for a spilled embedding; Forward then also returns the
+  // store's read errors (DataLoss for a corrupted block).
+  static absl::StatusOr<std::unique_ptr<Transformer>> Load(const std::string& dir,
+                                                           const TransformerLoadOptions& options);
 
   // One rank of a tensor/expert-parallel group: reads only the rank's slices
   // (plus the replicated embedding, norms and routers). Every rank of the
@@ -145,9 +166,10 @@ class Transformer {
   };
 
   Transformer() = default;
-  static absl::StatusOr<std::unique_ptr<Transformer>> LoadImpl(const std::string& dir,
-                                                               const TensorParallelism* tp);
-  absl::Status LoadWeights(const sharding::Exl3Model& model, const sharding::RankShard& shard);
+  static absl::StatusOr<std::unique_ptr<Transformer>> LoadImpl(
+      const std::string& dir, const TensorParallelism* tp, const TransformerLoadOptions& options);
+  absl::Status LoadWeights(const sharding::Exl3Model& model, const sharding::RankShard& shard,
+                           const TransformerLoadOptions& options);
   // Forward after validation: embedding, layers, head.
   absl::Status RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
                          PagedKvCache* cache, const std::vector<int64_t>& starts, int64_t total,
@@ -166,7 +188,8 @@ class Transformer {
 
   ModelConfig config_;
   std::vector<double> rope_inv_freq_;
-  std::vector<float> embed_;  // [vocab][hidden]; empty when shared with a tied head
+  std::vector<float> embed_;  // [vocab][hidden]; empty when shared with a tied head or spilled
+  std::unique_ptr<sharding::SpillStore> embed_spill_;  // the embedding when spilled, else null
   std::vector<Layer> layers_;
   std::vector<float> final_norm_;
   Linear head_;  // this rank's vocab rows [vocab_.begin, vocab_.end)

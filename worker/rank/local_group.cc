@@ -97,6 +97,7 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
   }
 
   std::unique_ptr<LocalGroup> group(new LocalGroup());
+  group->options_ = options;
   group->step_timeout_ = options.step_timeout;
   comm::CommSpec spec = options.comm;
   if (spec.backend == "shm" && spec.shm_name.empty()) spec.shm_name = UniqueShmName();
@@ -284,6 +285,25 @@ absl::Status LocalGroup::Forward(std::span<const SequenceTokens> batch, LogitsRo
   WireReader in(body);
   *logits = in.F32s();
   if (absl::Status s = in.Finish("rank 0 logits"); !s.ok()) return Break(absl::DataLossError(s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status LocalGroup::Recover(absl::Time deadline) {
+  Shutdown(absl::Seconds(2));
+  LocalGroupOptions options = options_;
+  options.comm.shm_name.clear();  // a fresh segment for the new group
+  options.load_timeout = std::max(absl::Seconds(1), deadline - absl::Now());
+  absl::StatusOr<std::unique_ptr<LocalGroup>> fresh = Start(options);
+  if (!fresh.ok()) return fresh.status();
+  LocalGroup& g = **fresh;
+  ranks_ = std::move(g.ranks_);
+  shm_name_ = std::move(g.shm_name_);
+  vocab_size_ = g.vocab_size_;
+  broken_ = absl::OkStatus();
+  shut_down_ = false;
+  g.ranks_.clear();
+  g.shut_down_ = true;  // its ranks are ours now
+  EXL3_LOG(kInfo) << "rank group re-formed with " << ranks_.size() << " new rank processes";
   return absl::OkStatus();
 }
 

@@ -68,6 +68,11 @@ class LocalGroup final : public StepExecutor {
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        std::vector<float>* logits) override;
 
+  // Replaces a broken group with new rank processes started from the same
+  // options (the survivors are shut down first); afterwards no sequence
+  // exists. Errors: those of Start (the group stays broken).
+  absl::Status Recover(absl::Time deadline) override;
+
   // Stops every rank: a shutdown command, then SIGKILL for those that have not
   // exited by `grace`. Idempotent; the destructor calls it.
   void Shutdown(absl::Duration grace = absl::Seconds(5));
@@ -96,6 +101,7 @@ class LocalGroup final : public StepExecutor {
   std::string DescribeRank(int rank);
   absl::Status Break(absl::Status status);
 
+  LocalGroupOptions options_;
   std::vector<Rank> ranks_;
   std::string shm_name_;
   int64_t vocab_size_ = 0;

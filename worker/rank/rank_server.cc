@@ -8,11 +8,8 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/thread_pool.h"
-#include "sharding/exl3_model.h"
-#include "sharding/shard_plan.h"
-#include "worker/comm/communicator.h"
-#include "worker/model/transformer.h"
 #include "worker/rank/control_wire.h"
+#include "worker/rank/rank_executor.h"
 
 namespace exl3serve::worker::rank {
 namespace {
@@ -20,84 +17,43 @@ namespace {
 // How long a reply may take to reach the driver (it is waiting for it).
 constexpr absl::Duration kReplyTimeout = absl::Seconds(30);
 
-struct LoadedRank {
-  std::unique_ptr<comm::Communicator> comm;
-  std::unique_ptr<Transformer> model;
-  std::optional<PagedKvCache> cache;
-  uint64_t bytes_read = 0;
-  uint64_t planned_bytes = 0;
-};
-
-absl::StatusOr<LoadedRank> Load(const RankServerOptions& options) {
-  LoadedRank loaded;
-  EXL3_ASSIGN_OR_RETURN(loaded.comm,
-                        comm::CreateCommunicator(options.comm, options.rank, options.world_size,
-                                                 absl::Now() + options.join_timeout));
-  EXL3_ASSIGN_OR_RETURN(std::unique_ptr<sharding::Exl3Model> checkpoint,
-                        sharding::Exl3Model::Open(options.model_dir));
-  if (!checkpoint->arch().has_value()) {
-    return absl::UnimplementedError(
-        absl::StrCat(options.model_dir, ": unsupported architecture for tensor parallelism"));
-  }
-  sharding::ShardOptions shard_options;
-  shard_options.expert_parallel = options.expert_parallel;
-  EXL3_ASSIGN_OR_RETURN(sharding::ShardPlan plan,
-                        sharding::PlanShards(*checkpoint->arch(),
-                                             sharding::WorldSpec::Uniform(options.world_size),
-                                             shard_options, checkpoint.get()));
-  TensorParallelism tp;
-  tp.shard = plan.ranks[options.rank];
-  tp.comm = loaded.comm.get();
-  tp.collective_timeout = options.collective_timeout;
-  loaded.planned_bytes = tp.shard.weight_bytes;
-  EXL3_ASSIGN_OR_RETURN(loaded.model, Transformer::LoadShard(options.model_dir, tp));
-  loaded.bytes_read = loaded.model->bytes_read();
-  EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, loaded.model->CreateKvCache(options.kv));
-  loaded.cache.emplace(std::move(cache));
-  // Everyone loaded before anyone reports ready: a rank that fails to load
-  // makes the others' barrier fail instead of leaving them waiting at the
-  // first step.
-  EXL3_RETURN_IF_ERROR(loaded.comm->Barrier(absl::Now() + options.join_timeout));
-  return loaded;
-}
-
-// Executes one command; `reply` gets whatever follows the status.
-absl::Status Execute(LoadedRank& rank, int rank_index, std::string_view frame,
-                     WireWriter* reply, bool* shutdown) {
+// Parses one command frame and executes it; `reply` gets whatever follows
+// the status (rank 0's logits for a forward).
+absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply,
+                     bool* shutdown) {
   WireReader in(frame);
   const auto op = static_cast<ControlOp>(in.U8());
+  RankCommand command;
   switch (op) {
-    case ControlOp::kAddSequence: {
-      const int64_t seq = in.I64();
+    case ControlOp::kAddSequence:
+      command.op = RankCommand::Op::kAddSequence;
+      command.seq_id = in.I64();
       EXL3_RETURN_IF_ERROR(in.Finish("add-sequence"));
-      return rank.cache->AddSequence(seq);
-    }
-    case ControlOp::kRemoveSequence: {
-      const int64_t seq = in.I64();
+      return ExecuteRankCommand(rank, command, nullptr);
+    case ControlOp::kRemoveSequence:
+      command.op = RankCommand::Op::kRemoveSequence;
+      command.seq_id = in.I64();
       EXL3_RETURN_IF_ERROR(in.Finish("remove-sequence"));
-      return rank.cache->RemoveSequence(seq);
-    }
+      return ExecuteRankCommand(rank, command, nullptr);
     case ControlOp::kForward: {
       const uint8_t rows = in.U8();
       const uint32_t n = in.U32();
       if (!in.ok() || n > kMaxFrameBytes / 12) {
         return absl::InvalidArgumentError("forward: malformed batch header");
       }
-      std::vector<int64_t> seqs(n);
-      std::vector<std::vector<int32_t>> tokens(n);
+      command.op = RankCommand::Op::kForward;
+      command.batch_seq_ids.resize(n);
+      command.batch_tokens.resize(n);
       for (uint32_t i = 0; i < n && in.ok(); ++i) {
-        seqs[i] = in.I64();
-        tokens[i] = in.I32s();
+        command.batch_seq_ids[i] = in.I64();
+        command.batch_tokens[i] = in.I32s();
       }
       EXL3_RETURN_IF_ERROR(in.Finish("forward"));
       if (rows > 1) return absl::InvalidArgumentError("forward: unknown logits rows mode");
-      std::vector<SequenceTokens> batch(n);
-      for (uint32_t i = 0; i < n; ++i) batch[i] = {seqs[i], tokens[i]};
+      command.rows = rows == 0 ? LogitsRows::kLastToken : LogitsRows::kAllTokens;
       std::vector<float> logits;
-      EXL3_RETURN_IF_ERROR(rank.model->Forward(
-          batch, rows == 0 ? LogitsRows::kLastToken : LogitsRows::kAllTokens, &*rank.cache,
-          &logits));
-      if (rank_index == 0) reply->F32s(logits.data(), logits.size());
+      EXL3_RETURN_IF_ERROR(ExecuteRankCommand(rank, command, &logits));
+      if (rank.rank == 0) reply->F32s(logits.data(), logits.size());
       return absl::OkStatus();
     }
     case ControlOp::kShutdown:
@@ -113,7 +69,16 @@ absl::Status Execute(LoadedRank& rank, int rank_index, std::string_view frame,
 absl::Status RunRankServer(const RankServerOptions& options) {
   if (options.control_fd < 0) return absl::InvalidArgumentError("worker: no control channel");
   if (options.threads >= 1) kernels::cpu::SetSharedThreadPoolSize(options.threads);
-  absl::StatusOr<LoadedRank> loaded = Load(options);
+  RankSetup setup;
+  setup.model_dir = options.model_dir;
+  setup.rank = options.rank;
+  setup.world_size = options.world_size;
+  setup.expert_parallel = options.expert_parallel;
+  setup.comm = options.comm;
+  setup.kv = options.kv;
+  setup.join_timeout = options.join_timeout;
+  setup.collective_timeout = options.collective_timeout;
+  absl::StatusOr<LoadedRank> loaded = LoadRank(setup);
   {
     WireWriter hello;
     hello.U32(kControlWireVersion);
@@ -132,7 +97,7 @@ absl::Status RunRankServer(const RankServerOptions& options) {
     if (!frame.ok()) return absl::OkStatus();  // the driver has gone: nothing left to do
     WireWriter body;
     bool shutdown = false;
-    const absl::Status status = Execute(*loaded, options.rank, *frame, &body, &shutdown);
+    const absl::Status status = Execute(*loaded, *frame, &body, &shutdown);
     WireWriter reply;
     WriteStatus(reply, status);
     std::string payload = reply.Take() + (status.ok() ? body.Take() : std::string());

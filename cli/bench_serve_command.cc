@@ -1,0 +1,210 @@
+// `exl3serve bench-serve --addr A --concurrency C --prompt-len P --gen-len G
+// [--requests R]`: a load test of a running server over its public gRPC API.
+// C client threads each run streams back to back (R in all) of random
+// token-id prompts of P tokens, greedy, ignore_eos, max_tokens G, and the
+// program prints a table: requests, output throughput (tokens/s), time to
+// first token and inter-token latency p50/p99, and the coordinator's own
+// time per step as a fraction of step time (from GetServerInfo's cumulative
+// step counters, taken before and after; "n/a" when the engine does not
+// count steps).
+//
+// Inter-token latency: the gap between two chunks of a stream, divided
+// evenly among the chunk's tokens (a server may merge tokens into one chunk
+// for a slow reader).
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/commands.h"
+#include "common/status_macros.h"
+#include "exl3serve/v1/generation.grpc.pb.h"
+
+namespace exl3serve::cli {
+namespace {
+
+namespace v1 = ::exl3serve::v1;
+
+// One stream's measurements.
+struct StreamResult {
+  grpc::Status status;
+  uint32_t tokens = 0;
+  double ttft_s = 0;
+  std::vector<double> itl_s;
+};
+
+// The q-quantile (0..1) of `v` (nearest rank); 0 for an empty vector.
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t rank = static_cast<size_t>(std::ceil(q * static_cast<double>(v.size())));
+  return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
+}
+
+absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(v1::Generation::Stub& stub) {
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  v1::GetServerInfoResponse info;
+  const grpc::Status status = stub.GetServerInfo(&context, {}, &info);
+  if (!status.ok()) {
+    return absl::UnavailableError(absl::StrCat("GetServerInfo: ", status.error_message()));
+  }
+  return info;
+}
+
+StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& request,
+                       absl::Duration timeout) {
+  StreamResult result;
+  grpc::ClientContext context;
+  context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  const absl::Time start = absl::Now();
+  absl::Time last = start;
+  auto reader = stub.Generate(&context, request);
+  v1::GenerateResponse response;
+  while (reader->Read(&response)) {
+    if (!response.has_chunk() || response.chunk().token_ids_size() == 0) continue;
+    const absl::Time now = absl::Now();
+    const int n = response.chunk().token_ids_size();
+    if (result.tokens == 0) {
+      result.ttft_s = absl::ToDoubleSeconds(now - start);
+      for (int i = 1; i < n; ++i) result.itl_s.push_back(0.0);
+    } else {
+      const double gap = absl::ToDoubleSeconds(now - last) / n;
+      for (int i = 0; i < n; ++i) result.itl_s.push_back(gap);
+    }
+    result.tokens += static_cast<uint32_t>(n);
+    last = now;
+  }
+  result.status = reader->Finish();
+  return result;
+}
+
+}  // namespace
+
+CommandRunner RegisterBenchServeCommand(CLI::App& app) {
+  struct Args {
+    std::string addr = "127.0.0.1:50051";
+    int concurrency = 1;
+    int prompt_len = 128;
+    int gen_len = 128;
+    int requests = 0;
+    int64_t vocab = 0;
+    uint64_t seed = 1;
+    int64_t timeout_s = 600;
+  };
+  auto args = std::make_shared<Args>();
+  app.add_option("--addr", args->addr, "server address host:port")->capture_default_str();
+  app.add_option("--concurrency", args->concurrency, "streams in flight at once")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--prompt-len", args->prompt_len, "prompt tokens per request")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--gen-len", args->gen_len, "tokens generated per request (ignore_eos)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--requests", args->requests, "requests in all (default: 4 x concurrency)");
+  app.add_option("--vocab", args->vocab, "prompt ids are drawn from [0, vocab) (default: the model's)");
+  app.add_option("--seed", args->seed, "seed of the random prompts")->capture_default_str();
+  app.add_option("--timeout-s", args->timeout_s, "deadline of each stream")->capture_default_str();
+  return [args]() -> absl::Status {
+    const int requests = args->requests > 0 ? args->requests : 4 * args->concurrency;
+    auto channel = grpc::CreateChannel(args->addr, grpc::InsecureChannelCredentials());
+    auto stub = v1::Generation::NewStub(channel);
+    int64_t vocab = args->vocab;
+    if (vocab <= 0) {
+      grpc::ClientContext context;
+      context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      v1::GetModelInfoResponse model;
+      const grpc::Status status = stub->GetModelInfo(&context, {}, &model);
+      if (!status.ok()) {
+        return absl::UnavailableError(
+            absl::StrCat("GetModelInfo on ", args->addr, ": ", status.error_message()));
+      }
+      vocab = model.vocab_size();
+      if (vocab <= 0) return absl::FailedPreconditionError("the server reports vocab_size 0; pass --vocab");
+    }
+    // The prompts, made up front so the clients only measure.
+    std::mt19937_64 rng(args->seed);
+    std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+    std::vector<v1::GenerateRequest> prepared(requests);
+    for (int r = 0; r < requests; ++r) {
+      v1::GenerateRequest& req = prepared[r];
+      req.set_request_id(absl::StrCat("bench-", args->seed, "-", r));
+      for (int i = 0; i < args->prompt_len; ++i) {
+        req.mutable_tokenized()->add_input_ids(static_cast<uint32_t>(token(rng)));
+      }
+      req.mutable_sampling_params()->set_max_tokens(args->gen_len);
+      req.mutable_sampling_params()->set_ignore_eos(true);
+      req.mutable_sampling_params()->set_temperature(0.0f);
+    }
+
+    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse before, ServerInfo(*stub));
+    std::atomic<int> next{0};
+    std::vector<StreamResult> results(requests);
+    std::vector<std::thread> clients;
+    const absl::Time start = absl::Now();
+    for (int c = 0; c < args->concurrency; ++c) {
+      clients.emplace_back([&] {
+        for (int r = next.fetch_add(1); r < requests; r = next.fetch_add(1)) {
+          results[r] = RunStream(*stub, prepared[r], absl::Seconds(args->timeout_s));
+        }
+      });
+    }
+    for (std::thread& t : clients) t.join();
+    const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse after, ServerInfo(*stub));
+
+    int ok = 0;
+    uint64_t tokens = 0;
+    std::vector<double> ttft, itl;
+    std::string first_error;
+    for (const StreamResult& r : results) {
+      if (!r.status.ok()) {
+        if (first_error.empty()) first_error = r.status.error_message();
+        continue;
+      }
+      ++ok;
+      tokens += r.tokens;
+      ttft.push_back(r.ttft_s);
+      itl.insert(itl.end(), r.itl_s.begin(), r.itl_s.end());
+    }
+    const uint64_t steps = after.num_steps() - before.num_steps();
+    const double step_s = after.step_seconds_total() - before.step_seconds_total();
+    const double coord_s = after.coordinator_seconds_total() - before.coordinator_seconds_total();
+    std::printf("bench-serve %s: concurrency %d, prompt %d tokens, gen %d tokens, %d requests\n",
+                args->addr.c_str(), args->concurrency, args->prompt_len, args->gen_len, requests);
+    std::printf("  %-28s %d / %d%s%s\n", "requests ok", ok, requests,
+                first_error.empty() ? "" : "  first error: ", first_error.c_str());
+    std::printf("  %-28s %.2f s\n", "wall time", wall_s);
+    std::printf("  %-28s %.1f tokens/s (%llu tokens)\n", "output throughput",
+                wall_s > 0 ? tokens / wall_s : 0.0, static_cast<unsigned long long>(tokens));
+    std::printf("  %-28s %.1f / %.1f ms\n", "TTFT p50 / p99", 1e3 * Quantile(ttft, 0.5),
+                1e3 * Quantile(ttft, 0.99));
+    std::printf("  %-28s %.2f / %.2f ms\n", "inter-token latency p50/p99", 1e3 * Quantile(itl, 0.5),
+                1e3 * Quantile(itl, 0.99));
+    if (steps > 0 && step_s > 0) {
+      std::printf("  %-28s %llu, mean %.2f ms\n", "engine steps", static_cast<unsigned long long>(steps),
+                  1e3 * step_s / steps);
+      std::printf("  %-28s %.2f %% (%.3f of %.3f s)\n", "coordinator time / step", 100.0 * coord_s / step_s,
+                  coord_s, step_s);
+    } else {
+      std::printf("  %-28s n/a\n", "engine steps");
+      std::printf("  %-28s n/a (the engine does not report step times)\n", "coordinator time / step");
+    }
+    if (ok == 0) return absl::UnavailableError(absl::StrCat("every stream failed: ", first_error));
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace exl3serve::cli

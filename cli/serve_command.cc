@@ -1,0 +1,162 @@
+// `exl3serve serve --model DIR [--tp N] [--ep M] [--host H] [--port P] ...`:
+// one box, the whole cluster: the coordinator (scheduler, KV block tables,
+// tokenizer) with N local rank processes, and the public gRPC API
+// (exl3serve.v1.Generation + grpc.health.v1.Health) on HOST:PORT.
+//
+// Prints "listening on HOST:PORT" as soon as the port is bound (--port 0
+// picks a free one), then "serving MODEL on HOST:PORT (tp=N)" once every
+// rank is loaded and warmed up (until then health says NOT_SERVING).
+// SIGINT/SIGTERM: health goes NOT_SERVING, new calls are refused, streams in
+// flight get --shutdown-grace-ms to finish (then they are cancelled), the
+// engine stops its ranks, and the command returns 0.
+#include <fcntl.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/commands.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "coordinator/grpc_server.h"
+#include "coordinator/local_engine.h"
+
+namespace exl3serve::cli {
+namespace {
+
+// SIGINT/SIGTERM -> one byte on a pipe the main thread polls (self-pipe: the
+// handler only calls write(2), which is async-signal-safe).
+int g_signal_pipe[2] = {-1, -1};
+
+extern "C" void OnStopSignal(int signal) {
+  const char byte = static_cast<char>(signal);
+  [[maybe_unused]] ssize_t n = ::write(g_signal_pipe[1], &byte, 1);
+}
+
+absl::Status InstallStopSignals() {
+  if (g_signal_pipe[0] < 0 && ::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+    return absl::InternalError("serve: cannot create the signal pipe");
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnStopSignal;
+  sigemptyset(&action.sa_mask);
+  ::sigaction(SIGINT, &action, nullptr);
+  ::sigaction(SIGTERM, &action, nullptr);
+  return absl::OkStatus();
+}
+
+// Waits up to `timeout` for a stop signal; returns it, or 0.
+int WaitStopSignal(absl::Duration timeout) {
+  pollfd fd = {g_signal_pipe[0], POLLIN, 0};
+  const int ms = static_cast<int>(absl::ToInt64Milliseconds(timeout));
+  if (::poll(&fd, 1, ms) <= 0) return 0;
+  char byte = 0;
+  if (::read(g_signal_pipe[0], &byte, 1) != 1) return 0;
+  return byte;
+}
+
+}  // namespace
+
+CommandRunner RegisterServeCommand(CLI::App& app) {
+  struct Args {
+    coordinator::EngineOptions engine;
+    coordinator::GrpcServerOptions server;
+    int64_t shutdown_grace_ms = 5000;
+    int64_t ready_timeout_ms = 600'000;
+  };
+  auto args = std::make_shared<Args>();
+  args->server.port = 50051;
+  app.add_option("--model", args->engine.model_dir, "model directory (EXL3 or Hugging Face)")
+      ->required();
+  app.add_option("--tp", args->engine.tensor_parallel, "rank processes (tensor parallelism)")
+      ->capture_default_str();
+  app.add_option("--ep", args->engine.expert_parallel,
+                 "MoE: expert-parallel groups among the ranks (0 = one per rank)");
+  app.add_option("--host", args->server.host, "address to listen on (0.0.0.0 = all)")
+      ->capture_default_str();
+  app.add_option("--port", args->server.port, "TCP port (0 = any free port)")->capture_default_str();
+  app.add_option("--threads-per-rank", args->engine.threads_per_rank,
+                 "kernel threads of each rank process")
+      ->capture_default_str();
+  app.add_option("--kv-pages", args->engine.kv.num_pages,
+                 "KV cache pages of 16 positions on every rank (the pool all sequences share)")
+      ->capture_default_str();
+  app.add_option("--max-context", args->engine.max_context,
+                 "positions one sequence may hold, prompt + max_tokens (0 = the pool's, capped by "
+                 "max_position_embeddings)")
+      ->capture_default_str();
+  app.add_option("--default-max-tokens", args->engine.default_max_tokens,
+                 "max_tokens of a request that leaves it unset")
+      ->capture_default_str();
+  app.add_option("--step-token-budget", args->engine.step_token_budget,
+                 "new tokens per forward at most (decode rows + chunked prefill)")
+      ->capture_default_str();
+  app.add_option("--max-running", args->engine.max_running, "sequences decoded together at most")
+      ->capture_default_str();
+  app.add_option("--max-queue", args->engine.max_queue,
+                 "requests waiting at most (beyond: RESOURCE_EXHAUSTED)")
+      ->capture_default_str();
+  app.add_option("--shutdown-grace-ms", args->shutdown_grace_ms,
+                 "on SIGINT/SIGTERM, how long streams in flight may still run")
+      ->capture_default_str();
+  app.add_option("--ready-timeout-ms", args->ready_timeout_ms,
+                 "give up when the ranks are not ready within this")
+      ->capture_default_str();
+  return [args]() -> absl::Status {
+    EXL3_RETURN_IF_ERROR(InstallStopSignals());
+    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::Engine> engine,
+                          coordinator::CreateLocalEngine(args->engine));
+    auto server_or = coordinator::GrpcServer::Start(*engine, args->server);
+    if (!server_or.ok()) {
+      engine->Shutdown();
+      return server_or.status();
+    }
+    std::unique_ptr<coordinator::GrpcServer> server = std::move(*server_or);
+    std::printf("listening on %s\n", server->address().c_str());
+    std::fflush(stdout);
+
+    auto stop = [&](int signal) {
+      if (signal != 0) EXL3_LOG(kInfo) << "serve: signal " << signal << ", shutting down";
+      server->Shutdown(absl::Milliseconds(args->shutdown_grace_ms));
+      engine->Shutdown();
+    };
+    const absl::Time ready_by = absl::Now() + absl::Milliseconds(args->ready_timeout_ms);
+    while (!engine->ready()) {
+      if (absl::Now() > ready_by) {
+        stop(0);
+        return absl::DeadlineExceededError(absl::StrCat(
+            "serve: the ranks were not ready within ", args->ready_timeout_ms,
+            " ms (--ready-timeout-ms)"));
+      }
+      if (const int signal = WaitStopSignal(absl::Milliseconds(100)); signal != 0) {
+        stop(signal);
+        return absl::OkStatus();
+      }
+    }
+    std::printf("serving %s on %s (tp=%d)\n", args->engine.model_dir.c_str(),
+                server->address().c_str(), args->engine.tensor_parallel);
+    std::fflush(stdout);
+    bool ready = true;
+    for (;;) {
+      if (const int signal = WaitStopSignal(absl::Seconds(1)); signal != 0) {
+        stop(signal);
+        break;
+      }
+      if (engine->ready() != ready) {
+        ready = !ready;
+        EXL3_LOG(kWarning) << "serve: " << (ready ? "ready again" : "not ready (rank group down)");
+      }
+    }
+    std::printf("stopped\n");
+    return absl::OkStatus();
+  };
+}
+
+}  // namespace exl3serve::cli

@@ -1,0 +1,644 @@
+#include "coordinator/local_engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "nlohmann/json.hpp"
+#include "worker/rank/local_group.h"
+
+namespace exl3serve::coordinator {
+namespace {
+
+// google.rpc.Code values of GenerateError.code.
+int RpcCode(absl::StatusCode code) { return static_cast<int>(code); }
+
+bool GroupBroken(const absl::Status& status) {
+  return absl::IsUnavailable(status) || absl::IsAborted(status) ||
+         absl::IsDeadlineExceeded(status);
+}
+
+bool Contains(const std::vector<int32_t>& ids, int32_t id) {
+  return std::find(ids.begin(), ids.end(), id) != ids.end();
+}
+
+absl::Status Invalid(const std::string& field, const std::string& rule) {
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
+}
+
+}  // namespace
+
+LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
+                         std::unique_ptr<worker::StepExecutor> executor)
+    : options_(options),
+      config_(std::move(model.config)),
+      tokenizer_(std::move(model.tokenizer)),
+      transformer_(std::move(model.transformer)),
+      bits_per_weight_(model.bits_per_weight),
+      vocab_size_(executor->vocab_size()),
+      max_context_([&] {
+        const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
+        return options.max_context > 0 ? std::min(options.max_context, pool) : pool;
+      }()),
+      started_(options.clock()),
+      executor_(std::move(executor)),
+      scheduler_(SchedulerOptions{.page_size_tokens = options.kv.page_size_tokens,
+                                  .num_blocks = options.kv.num_pages,
+                                  .max_running = options.max_running,
+                                  .step_token_budget = options.step_token_budget,
+                                  .max_waiting = 0}) {  // the queue limit is Submit's
+  {
+    absl::MutexLock lock(&mu_);
+    stat_free_blocks_ = options_.kv.num_pages;
+  }
+  thread_ = std::thread([this] { Loop(); });
+}
+
+LocalEngine::~LocalEngine() { Shutdown(); }
+
+absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
+    const v1::GenerateRequest& request) const {
+  Pending p;
+  switch (request.input_case()) {
+    case v1::GenerateRequest::kText: {
+      if (request.text().empty()) return Invalid("text", "is empty");
+      if (tokenizer_ == nullptr) {
+        return Invalid("text", absl::StrCat("the model ", options_.model_dir,
+                                            " has no tokenizer.json; send tokenized input"));
+      }
+      p.prompt = tokenizer_->Encode(request.text(),
+                                    {.add_special_tokens = request.add_special_tokens()});
+      if (p.prompt.empty()) return Invalid("text", "encodes to no tokens");
+      break;
+    }
+    case v1::GenerateRequest::kTokenized: {
+      const auto& ids = request.tokenized().input_ids();
+      if (ids.empty()) return Invalid("tokenized.input_ids", "is empty");
+      for (int i = 0; i < ids.size(); ++i) {
+        if (ids[i] >= static_cast<uint64_t>(vocab_size_)) {
+          return Invalid("tokenized.input_ids",
+                         absl::StrCat("id ", ids[i], " at index ", i,
+                                      " is outside the vocabulary [0, ", vocab_size_, ")"));
+        }
+        p.prompt.push_back(static_cast<int32_t>(ids[i]));
+      }
+      break;
+    }
+    default:
+      return Invalid("input", "give text or tokenized input");
+  }
+  const int64_t prompt_len = static_cast<int64_t>(p.prompt.size());
+  if (prompt_len >= max_context_) {
+    return Invalid("input", absl::StrCat("the prompt has ", prompt_len,
+                                         " tokens; the context holds ", max_context_,
+                                         " positions including at least one generated token"));
+  }
+
+  const v1::SamplingParams& sp = request.sampling_params();
+  if (sp.max_tokens() < 0) {
+    return Invalid("sampling_params.max_tokens", absl::StrCat("must be >= 0, got ", sp.max_tokens()));
+  }
+  if (sp.max_tokens() > max_context_) {
+    return Invalid("sampling_params.max_tokens",
+                   absl::StrCat("must be <= the context of ", max_context_, " positions, got ",
+                                sp.max_tokens()));
+  }
+  if (sp.max_tokens() > 0) {
+    if (prompt_len + sp.max_tokens() > max_context_) {
+      return Invalid("sampling_params.max_tokens",
+                     absl::StrCat("prompt (", prompt_len, " tokens) + max_tokens (",
+                                  sp.max_tokens(), ") exceeds the context of ", max_context_,
+                                  " positions"));
+    }
+    p.max_tokens = sp.max_tokens();
+  } else {
+    p.max_tokens = std::min(options_.default_max_tokens, max_context_ - prompt_len);
+  }
+  if (!(sp.temperature() >= 0) || std::isinf(sp.temperature())) {
+    return Invalid("sampling_params.temperature", absl::StrCat("must be >= 0, got ", sp.temperature()));
+  }
+  if (std::isnan(sp.top_p()) || sp.top_p() < 0 || sp.top_p() > 1) {
+    return Invalid("sampling_params.top_p", absl::StrCat("must be in (0, 1], got ", sp.top_p()));
+  }
+  if (sp.top_k() < 0) {
+    return Invalid("sampling_params.top_k", absl::StrCat("must be >= 0, got ", sp.top_k()));
+  }
+  if (!(sp.min_p() >= 0 && sp.min_p() <= 1)) {
+    return Invalid("sampling_params.min_p", absl::StrCat("must be in [0, 1], got ", sp.min_p()));
+  }
+  if (!(sp.repetition_penalty() >= 0) || std::isinf(sp.repetition_penalty())) {
+    return Invalid("sampling_params.repetition_penalty",
+                   absl::StrCat("must be > 0 (0 = unset), got ", sp.repetition_penalty()));
+  }
+  p.sampling.temperature = sp.temperature();
+  p.sampling.top_p = sp.top_p() == 0 ? 1.0f : sp.top_p();
+  p.sampling.top_k = sp.top_k();
+  p.sampling.min_p = sp.min_p();
+  p.sampling.repetition_penalty = sp.repetition_penalty() == 0 ? 1.0f : sp.repetition_penalty();
+  p.sampling.presence_penalty = sp.presence_penalty();
+  p.sampling.frequency_penalty = sp.frequency_penalty();
+  if (sp.has_seed()) p.sampling.seed = sp.seed();
+  p.sampling.logprobs = sp.logprobs();
+  if (absl::Status s = worker::ValidateSamplingParams(p.sampling); !s.ok()) {
+    return Invalid("sampling_params", std::string(s.message()));
+  }
+
+  for (int i = 0; i < sp.stop_token_ids_size(); ++i) {
+    if (sp.stop_token_ids(i) >= static_cast<uint64_t>(vocab_size_)) {
+      return Invalid("sampling_params.stop_token_ids",
+                     absl::StrCat("id ", sp.stop_token_ids(i), " at index ", i,
+                                  " is outside the vocabulary [0, ", vocab_size_, ")"));
+    }
+    p.request_stop_ids.push_back(static_cast<int32_t>(sp.stop_token_ids(i)));
+  }
+  p.ignore_eos = sp.ignore_eos();
+  p.text_output = tokenizer_ != nullptr;
+  for (const std::string& stop : sp.stop()) {
+    if (stop.empty()) return Invalid("sampling_params.stop", "contains an empty string");
+    p.stop_strings.push_back(stop);
+  }
+  if (!p.stop_strings.empty() && !p.text_output) {
+    return Invalid("sampling_params.stop",
+                   "stop strings need text output; the model has no tokenizer.json");
+  }
+  if (request.deadline_ms() < 0) {
+    return Invalid("deadline_ms", absl::StrCat("must be >= 0, got ", request.deadline_ms()));
+  }
+  p.arrival = options_.clock();
+  const absl::Duration limit = request.deadline_ms() > 0 ? absl::Milliseconds(request.deadline_ms())
+                                                         : options_.default_deadline;
+  p.deadline = limit == absl::InfiniteDuration() ? absl::InfiniteFuture() : p.arrival + limit;
+  return p;
+}
+
+absl::Status LocalEngine::Submit(const v1::GenerateRequest& request,
+                                 ResponseCallback on_response) {
+  EXL3_ASSIGN_OR_RETURN(Pending p, Validate(request));
+  p.callback = std::move(on_response);
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return absl::UnavailableError("the engine is shutting down");
+  if (broken_) return absl::UnavailableError("the engine is not ready: its rank group failed");
+  p.request_id = request.request_id();
+  if (p.request_id.empty()) {
+    p.request_id = absl::StrCat("req-", next_seq_id_);
+  } else if (ids_.contains(p.request_id)) {
+    return Invalid("request_id", absl::StrCat("\"", p.request_id, "\" is already live"));
+  }
+  const int64_t waiting = stat_waiting_ + static_cast<int64_t>(inbox_.size());
+  if (waiting >= options_.max_queue) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("queue full: ", waiting, " requests wait (max_queue ", options_.max_queue,
+                     "); retry later"));
+  }
+  p.seq_id = next_seq_id_++;
+  ids_[p.request_id] = p.seq_id;
+  inbox_.push_back(std::move(p));
+  wake_.Signal();
+  return absl::OkStatus();
+}
+
+int LocalEngine::Abort(const std::vector<std::string>& request_ids, const std::string& reason) {
+  absl::MutexLock lock(&mu_);
+  int live = 0;
+  for (const std::string& id : request_ids) {
+    auto it = ids_.find(id);
+    if (it == ids_.end()) continue;
+    ++live;
+    abort_inbox_.emplace_back(it->second, reason.empty() ? "aborted" : reason);
+  }
+  if (live > 0) wake_.Signal();
+  return live;
+}
+
+bool LocalEngine::ready() const {
+  absl::MutexLock lock(&mu_);
+  return !stopping_ && !broken_;
+}
+
+bool LocalEngine::WaitForIdle(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stat_idle_ && inbox_.empty() && abort_inbox_.empty();
+  };
+  return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+v1::GetModelInfoResponse LocalEngine::GetModelInfo() const {
+  v1::GetModelInfoResponse info;
+  info.set_model_path(options_.model_dir);
+  info.set_architecture(config_.arch.architecture);
+  info.set_vocab_size(static_cast<uint32_t>(vocab_size_));
+  info.set_max_context_tokens(static_cast<uint32_t>(max_context_));
+  info.set_num_layers(config_.arch.num_layers);
+  info.set_hidden_size(static_cast<uint32_t>(config_.arch.hidden_size));
+  info.set_bits_per_weight(bits_per_weight_);
+  for (int32_t id : config_.eos_token_ids) info.add_eos_token_ids(id);
+  return info;
+}
+
+v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
+  v1::GetServerInfoResponse info;
+  absl::MutexLock lock(&mu_);
+  info.set_num_requests_running(static_cast<uint32_t>(stat_running_));
+  info.set_num_requests_waiting(static_cast<uint32_t>(stat_waiting_ + inbox_.size()));
+  info.set_kv_blocks_total(static_cast<uint32_t>(options_.kv.num_pages));
+  info.set_kv_blocks_free(static_cast<uint32_t>(stat_free_blocks_));
+  info.set_kv_cache_usage_perc(1.0 - static_cast<double>(stat_free_blocks_) /
+                                         static_cast<double>(options_.kv.num_pages));
+  info.set_ready(!stopping_ && !broken_);
+  info.set_uptime_seconds(absl::ToDoubleSeconds(options_.clock() - started_));
+  info.set_tensor_parallel_size(static_cast<uint32_t>(std::max(1, options_.tensor_parallel)));
+  info.set_expert_parallel_size(static_cast<uint32_t>(std::max(1, options_.expert_parallel)));
+  info.set_num_preemptions(stat_preemptions_);
+  info.set_num_replays(stat_replays_);
+  return info;
+}
+
+absl::Status LocalEngine::DeepHealthCheck(absl::Time deadline) {
+  // A one-token request through the scheduler thread and every rank: token 0,
+  // greedy, one new token, ahead of nothing (it queues like any request but
+  // ignores the queue limit).
+  struct Result {
+    absl::Mutex mu;
+    bool done = false;
+    absl::Status status;
+  };
+  auto result = std::make_shared<Result>();  // shared with the callback
+  Pending p;
+  p.prompt = {0};
+  p.sampling.temperature = 0;
+  p.max_tokens = 1;
+  p.ignore_eos = true;
+  p.arrival = options_.clock();
+  p.deadline = deadline;
+  p.callback = [result](const v1::GenerateResponse& r) {
+    if (r.has_chunk()) return;
+    absl::MutexLock lock(&result->mu);
+    result->done = true;
+    if (r.has_error()) {
+      result->status = absl::Status(static_cast<absl::StatusCode>(r.error().code()),
+                                    absl::StrCat("deep health check: ", r.error().message()));
+    } else if (r.complete().finish_reason() != v1::FINISH_REASON_LENGTH) {
+      result->status = absl::UnavailableError("deep health check was aborted");
+    }
+  };
+  std::string request_id;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("the engine is shutting down");
+    if (broken_) return absl::UnavailableError("the engine is not ready: its rank group failed");
+    p.seq_id = next_seq_id_++;
+    p.request_id = request_id = absl::StrCat("health-", p.seq_id);
+    ids_[p.request_id] = p.seq_id;
+    inbox_.push_back(std::move(p));
+    wake_.Signal();
+  }
+  absl::MutexLock lock(&result->mu);
+  if (!result->mu.AwaitWithDeadline(absl::Condition(&result->done), deadline)) {
+    return absl::DeadlineExceededError("deep health check: no forward finished by the deadline");
+  }
+  return result->status;
+}
+
+void LocalEngine::Shutdown() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    wake_.Signal();
+  }
+  absl::MutexLock join(&join_mu_);
+  if (thread_.joinable()) thread_.join();
+}
+
+void LocalEngine::Loop() {
+  while (true) {
+    std::deque<Pending> fresh;
+    std::vector<std::pair<int64_t, std::string>> aborts;
+    bool stopping = false;
+    {
+      absl::MutexLock lock(&mu_);
+      auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return stopping_ || !inbox_.empty() || !abort_inbox_.empty();
+      };
+      if (scheduler_.empty()) mu_.Await(absl::Condition(&has_work));
+      fresh.swap(inbox_);
+      aborts.swap(abort_inbox_);
+      stopping = stopping_;
+    }
+    for (Pending& p : fresh) {
+      const int64_t seq_id = p.seq_id;
+      Live live;
+      absl::StatusOr<worker::Sampler> sampler = worker::Sampler::Create(p.sampling, p.prompt);
+      absl::Status added = sampler.status();
+      if (added.ok()) added = scheduler_.Add(seq_id, p.prompt, p.deadline);
+      live.p = std::move(p);
+      if (added.ok()) {
+        live.sampler.emplace(std::move(*sampler));
+        if (live.p.text_output) {
+          live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = true});
+        }
+        if (!live.p.stop_strings.empty()) live.stops.emplace(live.p.stop_strings);
+      }
+      live_.emplace(seq_id, std::move(live));
+      if (!added.ok()) Fail(seq_id, added.code(), std::string(added.message()));
+    }
+    for (const auto& [seq_id, reason] : aborts) {
+      auto it = live_.find(seq_id);
+      if (it == live_.end()) continue;
+      it->second.abort_reason = reason;
+      scheduler_.Cancel(seq_id);
+    }
+    if (stopping) break;
+    Step();
+    PublishStats();
+  }
+  // Shutdown: every request still here ends with ABORT.
+  std::vector<int64_t> ids;
+  for (const auto& [seq_id, live] : live_) ids.push_back(seq_id);
+  std::sort(ids.begin(), ids.end());
+  for (int64_t seq_id : ids) {
+    if (scheduler_.is_running(seq_id)) executor_->RemoveSequence(seq_id).IgnoreError();
+    Complete(seq_id, v1::FINISH_REASON_ABORT, "");
+  }
+  scheduler_.Reset();
+  PublishStats();
+}
+
+void LocalEngine::Step() {
+  const absl::Time now = options_.clock();
+  ScheduleOutput out = scheduler_.Schedule(now);
+  for (const DroppedSequence& d : out.dropped) {
+    if (d.reason == DropReason::kCancelled) {
+      Complete(d.seq_id, v1::FINISH_REASON_ABORT, "");
+    } else {
+      Fail(d.seq_id, absl::StatusCode::kDeadlineExceeded,
+           "the request's deadline passed before it finished");
+    }
+  }
+  for (int64_t seq_id : out.release) {
+    absl::Status s = executor_->RemoveSequence(seq_id);
+    if (!s.ok() && !absl::IsNotFound(s)) return OnExecutorFailure(s);
+  }
+  for (int64_t seq_id : out.admit) {
+    if (absl::Status s = executor_->AddSequence(seq_id); !s.ok()) return OnExecutorFailure(s);
+    Live& live = live_.at(seq_id);
+    if (!live.admitted) live.admitted = now;
+  }
+  if (out.batch.empty()) return;
+  std::vector<worker::SequenceTokens> batch;
+  batch.reserve(out.batch.size());
+  for (const ScheduledChunk& c : out.batch) batch.push_back({c.seq_id, c.tokens});
+  if (absl::Status s = executor_->Forward(batch, worker::LogitsRows::kLastToken, &logits_);
+      !s.ok()) {
+    return OnExecutorFailure(s);
+  }
+  const absl::Time done = options_.clock();
+  for (size_t i = 0; i < out.batch.size(); ++i) {
+    const ScheduledChunk& c = out.batch[i];
+    if (!c.needs_logits) continue;
+    Live& live = live_.at(c.seq_id);
+    const std::span<const float> row(logits_.data() + i * vocab_size_, vocab_size_);
+    const worker::SampledToken token = live.sampler->Sample(row);
+    if (!OnToken(c.seq_id, live, token, done)) scheduler_.AppendToken(c.seq_id, token.id);
+  }
+}
+
+bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken& token,
+                          absl::Time now) {
+  if (!live.first_token) live.first_token = now;
+  const Pending& p = live.p;
+  // Text still held back (a partial character, a possible stop-string start).
+  auto flush_text = [&live]() {
+    std::string rest;
+    if (live.decoder) {
+      std::string tail = live.decoder->Finish();
+      rest = live.stops ? live.stops->Append(tail) : tail;
+    }
+    if (live.stops && !live.stops->stopped()) rest += live.stops->Flush();
+    return rest;
+  };
+  auto chunk_response = [&](std::string text, bool with_token) {
+    v1::GenerateResponse r;
+    r.set_request_id(p.request_id);
+    v1::GenerateStreamChunk* chunk = r.mutable_chunk();
+    if (with_token) {
+      chunk->add_token_ids(static_cast<uint32_t>(token.id));
+      if (p.sampling.logprobs) chunk->add_logprobs(token.logprob);
+    }
+    chunk->set_text(std::move(text));
+    chunk->set_prompt_tokens(static_cast<uint32_t>(p.prompt.size()));
+    chunk->set_completion_tokens(static_cast<uint32_t>(live.output.size()));
+    return r;
+  };
+
+  const bool request_stop = Contains(p.request_stop_ids, token.id);
+  const bool eos = !p.ignore_eos && Contains(config_.eos_token_ids, token.id);
+  if (request_stop || eos) {
+    if (std::string rest = flush_text(); !rest.empty()) p.callback(chunk_response(rest, false));
+    Complete(seq_id, request_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_EOS, "");
+    return true;
+  }
+  live.output.push_back(token.id);
+  std::string text;
+  if (live.decoder) {
+    absl::StatusOr<std::string> piece = live.decoder->Push(token.id);
+    if (piece.ok()) text = live.stops ? live.stops->Append(*piece) : *piece;
+  }
+  if (live.stops && live.stops->stopped()) {
+    p.callback(chunk_response(std::move(text), true));
+    Complete(seq_id, v1::FINISH_REASON_STOP_STRING, live.stops->matched());
+    return true;
+  }
+  const bool length = static_cast<int64_t>(live.output.size()) >= p.max_tokens;
+  if (length) text += flush_text();
+  p.callback(chunk_response(std::move(text), true));
+  if (length) {
+    Complete(seq_id, v1::FINISH_REASON_LENGTH, "");
+    return true;
+  }
+  return false;
+}
+
+void LocalEngine::Complete(int64_t seq_id, v1::FinishReason reason,
+                           const std::string& matched_stop) {
+  auto it = live_.find(seq_id);
+  if (it == live_.end()) return;
+  const Live& live = it->second;
+  const absl::Time now = options_.clock();
+  v1::GenerateResponse r;
+  r.set_request_id(live.p.request_id);
+  v1::GenerateComplete* c = r.mutable_complete();
+  c->set_finish_reason(reason);
+  for (int32_t id : live.output) c->add_output_ids(static_cast<uint32_t>(id));
+  c->set_prompt_tokens(static_cast<uint32_t>(live.p.prompt.size()));
+  c->set_completion_tokens(static_cast<uint32_t>(live.output.size()));
+  if (live.first_token) {
+    c->set_time_to_first_token_seconds(absl::ToDoubleSeconds(*live.first_token - live.p.arrival));
+  }
+  c->set_total_generation_time_seconds(absl::ToDoubleSeconds(now - live.p.arrival));
+  c->set_queue_time_seconds(
+      absl::ToDoubleSeconds(live.admitted.value_or(now) - live.p.arrival));
+  c->set_matched_stop(matched_stop);
+  ResponseCallback callback = std::move(it->second.p.callback);
+  Forget(seq_id);
+  callback(r);
+}
+
+void LocalEngine::Fail(int64_t seq_id, absl::StatusCode code, const std::string& message) {
+  auto it = live_.find(seq_id);
+  if (it == live_.end()) return;
+  v1::GenerateResponse r;
+  r.set_request_id(it->second.p.request_id);
+  r.mutable_error()->set_code(RpcCode(code));
+  r.mutable_error()->set_message(message);
+  ResponseCallback callback = std::move(it->second.p.callback);
+  Forget(seq_id);
+  callback(r);
+}
+
+void LocalEngine::Forget(int64_t seq_id) {
+  auto it = live_.find(seq_id);
+  if (it == live_.end()) return;
+  const std::string request_id = it->second.p.request_id;
+  scheduler_.Finish(seq_id);  // its blocks come back at the next step
+  live_.erase(it);
+  absl::MutexLock lock(&mu_);
+  ids_.erase(request_id);
+}
+
+void LocalEngine::OnExecutorFailure(const absl::Status& status) {
+  const bool broken = GroupBroken(status);
+  EXL3_LOG(kError) << "step failed (" << (broken ? "rank group broken" : "internal error")
+                   << "): " << status;
+  if (broken) {
+    absl::MutexLock lock(&mu_);
+    broken_ = true;
+  }
+  // Replay: every cache is gone with the group, but each request's tokens
+  // (prompt + output so far), Sampler and stream state live on here, so once
+  // the group re-forms the scheduler prefills them again and generation
+  // continues exactly where it stopped (the same tokens, also for seeded
+  // sampling: the sampler's state was never reset). Requests that arrive
+  // meanwhile wait in the inbox.
+  if (broken && options_.reform_timeout > absl::ZeroDuration()) {
+    const absl::Status recovered = executor_->Recover(absl::Now() + options_.reform_timeout);
+    if (recovered.ok()) {
+      const std::vector<int64_t> requeued = scheduler_.RequeueAll();
+      EXL3_LOG(kWarning) << "rank group re-formed; replaying " << requeued.size()
+                         << " in-flight requests";
+      absl::MutexLock lock(&mu_);
+      broken_ = false;
+      stat_replays_ += requeued.size();
+      return;
+    }
+    EXL3_LOG(kError) << "the rank group did not re-form within "
+                     << absl::FormatDuration(options_.reform_timeout) << ": " << recovered;
+  }
+  const std::vector<int64_t> ids = scheduler_.Reset();
+  if (!broken) {
+    for (int64_t seq_id : ids) executor_->RemoveSequence(seq_id).IgnoreError();
+  }
+  std::vector<int64_t> all;
+  for (const auto& [seq_id, live] : live_) all.push_back(seq_id);
+  std::sort(all.begin(), all.end());
+  const absl::StatusCode code = broken ? absl::StatusCode::kUnavailable : absl::StatusCode::kInternal;
+  for (int64_t seq_id : all) {
+    Fail(seq_id, code, absl::StrCat("the rank group failed: ", status.ToString()));
+  }
+}
+
+void LocalEngine::PublishStats() {
+  absl::MutexLock lock(&mu_);
+  stat_running_ = scheduler_.num_running();
+  stat_waiting_ = scheduler_.num_waiting();
+  stat_free_blocks_ = scheduler_.free_blocks();
+  stat_preemptions_ = scheduler_.num_preemptions();
+  stat_idle_ = scheduler_.empty();
+}
+
+namespace {
+
+// config.json's max_position_embeddings and quantization_config.bits, when present.
+struct ConfigExtras {
+  int64_t max_position_embeddings = 0;
+  double bits = 16.0;
+};
+
+ConfigExtras ReadConfigExtras(const std::string& dir) {
+  ConfigExtras extras;
+  std::ifstream in(dir + "/config.json");
+  if (!in) return extras;
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json config = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (!config.is_object()) return extras;
+  if (auto it = config.find("max_position_embeddings"); it != config.end() && it->is_number()) {
+    extras.max_position_embeddings = it->get<int64_t>();
+  }
+  if (auto q = config.find("quantization_config"); q != config.end() && q->is_object()) {
+    if (auto b = q->find("bits"); b != q->end() && b->is_number()) extras.bits = b->get<double>();
+  }
+  return extras;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& given) {
+  EngineOptions options = given;
+  if (options.model_dir.empty()) return Invalid("model_dir", "is empty");
+  if (options.tensor_parallel < 1) return Invalid("tensor_parallel", "must be >= 1");
+  if (options.expert_parallel < 0) return Invalid("expert_parallel", "must be >= 0");
+  if (options.kv.page_size_tokens < 1) return Invalid("kv.page_size_tokens", "must be >= 1");
+  if (options.kv.num_pages < 1) return Invalid("kv.num_pages", "must be >= 1");
+  if (options.max_running < 1) return Invalid("max_running", "must be >= 1");
+  if (options.step_token_budget < 1) return Invalid("step_token_budget", "must be >= 1");
+  if (options.max_queue < 1) return Invalid("max_queue", "must be >= 1");
+  if (options.default_max_tokens < 1) return Invalid("default_max_tokens", "must be >= 1");
+  const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
+  if (options.max_context > pool) {
+    return Invalid("max_context", absl::StrCat(options.max_context, " exceeds the KV pool's ",
+                                               pool, " positions (kv pages x page size)"));
+  }
+  const ConfigExtras extras = ReadConfigExtras(options.model_dir);
+  if (options.max_context == 0 && extras.max_position_embeddings > 0) {
+    options.max_context = std::min(pool, extras.max_position_embeddings);
+  }
+
+  EngineModel model;
+  model.bits_per_weight = extras.bits;
+  std::unique_ptr<worker::StepExecutor> executor;
+  const int ranks = options.tensor_parallel > 1 ? options.tensor_parallel
+                                                : std::max(1, options.expert_parallel);
+  if (ranks == 1) {
+    EXL3_ASSIGN_OR_RETURN(model.transformer, worker::Transformer::Load(options.model_dir));
+    model.config = model.transformer->config();
+    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache,
+                          model.transformer->CreateKvCache(options.kv));
+    executor =
+        std::make_unique<worker::LocalStepExecutor>(model.transformer.get(), std::move(cache));
+  } else {
+    EXL3_ASSIGN_OR_RETURN(model.config, worker::ReadModelConfig(options.model_dir));
+    worker::rank::LocalGroupOptions group;
+    group.model_dir = options.model_dir;
+    group.world_size = ranks;
+    group.expert_parallel = options.expert_parallel;
+    group.executable = options.rank_executable;
+    group.threads_per_rank = options.threads_per_rank;
+    group.kv = options.kv;
+    group.step_timeout = options.rank_step_timeout;
+    EXL3_ASSIGN_OR_RETURN(executor, worker::rank::LocalGroup::Start(group));
+  }
+  if (std::filesystem::exists(options.model_dir + "/tokenizer.json")) {
+    EXL3_ASSIGN_OR_RETURN(model.tokenizer, Tokenizer::Load(options.model_dir));
+  }
+  return std::unique_ptr<Engine>(
+      new LocalEngine(options, std::move(model), std::move(executor)));
+}
+
+}  // namespace exl3serve::coordinator

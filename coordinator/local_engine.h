@@ -1,0 +1,230 @@
+// coordinator/local_engine.h — the serving engine (engine.h) over one
+// worker::StepExecutor: validation and tokenization at Submit, one scheduler
+// thread that runs the continuous-batching schedule (scheduler.h), sampling,
+// stop conditions, streaming detokenization and the responses.
+//
+//   EngineOptions options;  options.model_dir = dir;  options.tensor_parallel = 2;
+//   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateLocalEngine(options));
+//   EXL3_RETURN_IF_ERROR(engine->Submit(request, on_response));
+//
+// CreateLocalEngine runs the model in this process (tensor_parallel 1) or in
+// N local rank processes (worker/rank/local_group.h). LocalEngine's
+// constructor takes any StepExecutor (a fake in tests, remote ranks later).
+//
+// The scheduler thread owns every request once it left Submit's inbox. Each
+// iteration: take new requests and aborts from the inbox (mutex), Schedule(),
+// RemoveSequence / AddSequence, one Forward with LogitsRows::kLastToken (row
+// i is batch entry i's last token), then for each entry that needs logits:
+// sample with the request's own Sampler (seeded per request; penalties see
+// prompt + output), apply stop ids / EOS / max_tokens / stop strings, stream
+// a chunk, or complete. Responses are delivered on this thread; callbacks
+// must not block (engine.h). When idle it waits on a condition variable.
+//
+// Output rules: stop token ids and EOS end the request without being part of
+// the output (as worker::Generate); the token that completes a stop string
+// is part of output_ids, the stop string is not part of the text. Text is
+// streamed only when the model has a tokenizer.json (else empty).
+//
+// Failure: an executor error (a rank died: Unavailable, Aborted,
+// DeadlineExceeded; or anything else) ends every in-flight request with a
+// GenerateError (UNAVAILABLE for a broken group, INTERNAL otherwise) and the
+// engine stops being ready for a broken group. OnExecutorFailure() is the
+// hook where re-forming the group and replaying requests will go.
+//
+// Thread safety: every public method is thread-safe.
+#ifndef EXL3SERVE_COORDINATOR_LOCAL_ENGINE_H_
+#define EXL3SERVE_COORDINATOR_LOCAL_ENGINE_H_
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "coordinator/engine.h"
+#include "coordinator/scheduler.h"
+#include "coordinator/tokenizer/stream_decoder.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "worker/model/kv_cache.h"
+#include "worker/model/model_config.h"
+#include "worker/model/sampler.h"
+#include "worker/model/step_executor.h"
+#include "worker/model/stop_strings.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::coordinator {
+
+struct EngineOptions {
+  // --- Behaviour ---
+  std::string model_dir;          // EXL3 or plain Hugging Face directory
+  int tensor_parallel = 1;        // ranks; 1 = the model runs in this process
+  int expert_parallel = 0;        // as LocalGroupOptions::expert_parallel
+  int threads_per_rank = 1;
+  // The rank binary for tensor_parallel > 1 (empty: this process's executable).
+  std::string rank_executable;
+  // KV cache of every rank; the scheduler's block allocator mirrors it. The
+  // pool must hold max_context positions (num_pages * page_size_tokens).
+  worker::KvCacheOptions kv;
+  // Waiting requests at most; Submit fails with ResourceExhausted beyond.
+  int64_t max_queue = 256;
+  // max_tokens of a request that leaves it unset.
+  int64_t default_max_tokens = 256;
+  // Deadline of a request that leaves deadline_ms unset; infinite = none.
+  absl::Duration default_deadline = absl::InfiniteDuration();
+  // Positions one sequence may hold (prompt + max_tokens); 0 = the pool's
+  // positions, capped by config.json's max_position_embeddings when present.
+  int64_t max_context = 0;
+  absl::Duration rank_step_timeout = absl::Seconds(60);
+  // When the rank group breaks (a rank died or hung), the engine waits this
+  // long for it to re-form (StepExecutor::Recover: new local ranks, or
+  // remote ranks re-registering) and then replays every in-flight request
+  // (prompt + tokens generated so far); past it they end with UNAVAILABLE.
+  // Zero: no replay.
+  absl::Duration reform_timeout = absl::Seconds(60);
+
+  // --- Performance ---
+  int64_t max_running = 64;         // sequences per decode step
+  int64_t step_token_budget = 512;  // new tokens per forward (chunked prefill)
+
+  // --- Testing ---
+  // The clock of arrivals, deadlines and timings (tests inject a fake one).
+  std::function<absl::Time()> clock = [] { return absl::Now(); };
+};
+
+// Starts the model (in process or as local ranks), loads the tokenizer when
+// model_dir has tokenizer.json, and returns a ready engine.
+// Errors: InvalidArgument for bad options (named); those of loading the
+// model, the tokenizer or starting the ranks.
+absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& options);
+
+// What the engine knows about the model besides the executor.
+struct EngineModel {
+  worker::ModelConfig config;
+  // Null: only tokenized input; text output is empty.
+  std::unique_ptr<Tokenizer> tokenizer;
+  // The in-process model the executor borrows, if any (kept alive for it).
+  std::unique_ptr<worker::Transformer> transformer;
+  double bits_per_weight = 16.0;
+};
+
+class LocalEngine final : public Engine {
+ public:
+  // Starts the scheduler thread. `executor`'s cache must have options.kv's
+  // page size and page count. Requires options validated (CreateLocalEngine
+  // does; tests pass sane values).
+  LocalEngine(const EngineOptions& options, EngineModel model,
+              std::unique_ptr<worker::StepExecutor> executor);
+  ~LocalEngine() override;
+
+  absl::Status Submit(const v1::GenerateRequest& request, ResponseCallback on_response) override;
+  int Abort(const std::vector<std::string>& request_ids, const std::string& reason) override;
+  v1::GetModelInfoResponse GetModelInfo() const override;
+  v1::GetServerInfoResponse GetServerInfo() const override;
+  bool ready() const override;
+  absl::Status DeepHealthCheck(absl::Time deadline) override;
+  void Shutdown() override;
+
+  // Positions one sequence may hold (the effective max_context).
+  int64_t max_context() const { return max_context_; }
+
+  // Waits until no request is queued or running and every KV block is free
+  // (the step after the last completion). False when `deadline` passed first.
+  bool WaitForIdle(absl::Time deadline) const;
+
+ private:
+  // A validated request on its way to the scheduler thread.
+  struct Pending {
+    int64_t seq_id = 0;
+    std::string request_id;
+    std::vector<int32_t> prompt;
+    worker::SamplingParams sampling;
+    int64_t max_tokens = 0;
+    std::vector<int32_t> request_stop_ids;  // sampling_params.stop_token_ids
+    bool ignore_eos = false;
+    std::vector<std::string> stop_strings;
+    bool text_output = false;
+    absl::Time arrival;
+    absl::Time deadline;
+    ResponseCallback callback;
+  };
+  // A request the scheduler thread owns.
+  struct Live {
+    Pending p;
+    std::optional<worker::Sampler> sampler;
+    std::optional<StreamDecoder> decoder;
+    std::optional<worker::StopStringMatcher> stops;
+    std::vector<int32_t> output;
+    std::optional<absl::Time> admitted;
+    std::optional<absl::Time> first_token;
+    std::string abort_reason;
+  };
+
+  // Validates and converts `request` (the caller holds no lock).
+  absl::StatusOr<Pending> Validate(const v1::GenerateRequest& request) const;
+
+  void Loop();
+  // Runs one Schedule + Forward + sampling. Scheduler thread only.
+  void Step();
+  // Handles the sampled token of `live`; true when the request ended.
+  bool OnToken(int64_t seq_id, Live& live, const worker::SampledToken& token, absl::Time now);
+  // Final responses; erase the request (scheduler thread only).
+  void Complete(int64_t seq_id, v1::FinishReason reason, const std::string& matched_stop);
+  void Fail(int64_t seq_id, absl::StatusCode code, const std::string& message);
+  void Forget(int64_t seq_id);
+  // Hook: the executor failed with `status`. Today every in-flight request
+  // ends with an error and, for a broken group (Unavailable, Aborted,
+  // DeadlineExceeded), the engine stops being ready. This is where the rank
+  // protocol will re-form the group and replay the requests (each one's
+  // prompt + output so far is scheduler_.tokens(seq_id)) within a bound.
+  void OnExecutorFailure(const absl::Status& status);
+  void PublishStats();
+
+  // --- Constant after construction ---
+  const EngineOptions options_;
+  const worker::ModelConfig config_;
+  const std::unique_ptr<Tokenizer> tokenizer_;
+  const std::unique_ptr<worker::Transformer> transformer_;  // outlives executor_
+  const double bits_per_weight_;
+  const int64_t vocab_size_;
+  const int64_t max_context_;
+  const absl::Time started_;
+
+  // --- Scheduler thread only ---
+  std::unique_ptr<worker::StepExecutor> executor_;
+  Scheduler scheduler_;
+  absl::flat_hash_map<int64_t, Live> live_;
+  std::vector<float> logits_;
+
+  // --- Guarded by mu_ ---
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  std::deque<Pending> inbox_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<int64_t, std::string>> abort_inbox_ ABSL_GUARDED_BY(mu_);
+  // Live request ids (submitted, not yet completed) -> seq id.
+  absl::flat_hash_map<std::string, int64_t> ids_ ABSL_GUARDED_BY(mu_);
+  int64_t next_seq_id_ ABSL_GUARDED_BY(mu_) = 1;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;
+  uint64_t stat_replays_ ABSL_GUARDED_BY(mu_) = 0;  // requests replayed after re-formation
+  // Published by the scheduler thread after every step.
+  int64_t stat_running_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t stat_waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t stat_free_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_preemptions_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stat_idle_ ABSL_GUARDED_BY(mu_) = true;  // the scheduler holds nothing
+
+  std::thread thread_;  // the scheduler thread; joined by Shutdown
+  absl::Mutex join_mu_;  // serialises Shutdown's join
+};
+
+}  // namespace exl3serve::coordinator
+
+#endif  // EXL3SERVE_COORDINATOR_LOCAL_ENGINE_H_

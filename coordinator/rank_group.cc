@@ -1,0 +1,742 @@
+#include "coordinator/rank_group.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <random>
+#include <thread>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "common/status_macros.h"
+#include "exl3serve/rank/v1/rank.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+
+namespace exl3serve::coordinator {
+namespace {
+
+namespace pb = ::exl3serve::rank::v1;
+
+static_assert(kCoordinatorRankProtocolVersion == pb::RANK_PROTOCOL_CURRENT,
+              "rank_group.h and rank.proto disagree on the protocol version");
+
+int KvBits(worker::KvCacheDtype dtype) {
+  switch (dtype) {
+    case worker::KvCacheDtype::kFp32:
+      return 32;
+    case worker::KvCacheDtype::kFp16:
+      return 16;
+    case worker::KvCacheDtype::kInt8:
+      return 8;
+    case worker::KvCacheDtype::kInt4:
+      return 4;
+  }
+  return 16;
+}
+
+absl::Status FromProto(const pb::RankStatus& status) {
+  return absl::Status(static_cast<absl::StatusCode>(status.code()), status.message());
+}
+
+class RankReactor;
+
+// One rank's stream, shared by its reactor and the group. Outgoing messages
+// are queued (Enqueue, under the group's lock or not) and written by Flush(),
+// which must be called with no lock of ours held: gRPC operations are never
+// started under a lock, so a reaction run inline cannot deadlock.
+// Invariants: at most one write in flight; Finish is called exactly once, when
+// a close was requested and no write is in flight; nothing is started after
+// Finish (so the reactor, deleted in OnDone, is never touched after it).
+class Conn {
+ public:
+  Conn(RankReactor* reactor, std::string peer) : reactor_(reactor), peer_(std::move(peer)) {}
+  const std::string& peer() const { return peer_; }
+
+  void Enqueue(pb::CoordinatorMessage message) {
+    absl::MutexLock lock(&mu_);
+    if (close_requested_) return;
+    queue_.push_back(std::move(message));
+  }
+  // Ends the stream with `status` once the queued messages are written.
+  void RequestClose(const grpc::Status& status) {
+    absl::MutexLock lock(&mu_);
+    if (close_requested_) return;
+    close_requested_ = true;
+    close_status_ = status;
+  }
+  void Flush();
+  // The reactor's write finished; starts the next one or finishes.
+  void OnWriteDone(bool ok);
+
+  // The rank slot this stream holds, -1 before Register. Guarded by the
+  // group's mutex (only the group reads or writes it).
+  int rank = -1;
+
+ private:
+  RankReactor* const reactor_;
+  const std::string peer_;
+  absl::Mutex mu_;
+  std::deque<pb::CoordinatorMessage> queue_ ABSL_GUARDED_BY(mu_);
+  bool write_in_flight_ ABSL_GUARDED_BY(mu_) = false;
+  bool close_requested_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  grpc::Status close_status_ ABSL_GUARDED_BY(mu_);
+};
+
+// Flushes the streams it collected when it goes out of scope; declare it
+// before the MutexLock so that the lock is released first.
+class Outbox {
+ public:
+  ~Outbox() {
+    for (const std::shared_ptr<Conn>& conn : conns_) conn->Flush();
+  }
+  void Add(std::shared_ptr<Conn> conn) { conns_.push_back(std::move(conn)); }
+
+ private:
+  std::vector<std::shared_ptr<Conn>> conns_;
+};
+
+}  // namespace
+
+// The membership state and the step fan-out.
+class RemoteRankGroup::Impl {
+ public:
+  explicit Impl(const RankGroupOptions& options)
+      : options_(options), members_(options.world_size) {}
+
+  const RankGroupOptions options_;
+
+  void OnMessage(const std::shared_ptr<Conn>& conn, const pb::RankMessage& message);
+  void OnStreamEnded(const std::shared_ptr<Conn>& conn);
+  void Monitor();
+  absl::Status RunStep(pb::Step step, std::vector<float>* logits);
+  absl::Status WaitReady(absl::Time deadline) const;
+  RankGroupStatus Status() const;
+  void Shutdown(const std::string& reason);
+  void StartMonitor() { monitor_ = std::thread([this] { Monitor(); }); }
+  void JoinMonitor() {
+    if (monitor_.joinable()) monitor_.join();
+  }
+  bool ready() const {
+    absl::MutexLock lock(&mu_);
+    return state_ == GroupState::kReady;
+  }
+  uint64_t generation() const {
+    absl::MutexLock lock(&mu_);
+    return generation_;
+  }
+  int64_t vocab_size() const {
+    absl::MutexLock lock(&mu_);
+    return vocab_size_;
+  }
+  void AddConn(const std::shared_ptr<Conn>& conn) {
+    absl::MutexLock lock(&mu_);
+    conns_.push_back(conn);
+  }
+
+  // Set once by Start: the service (outlives the server) and the server.
+  std::unique_ptr<grpc::Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+
+ private:
+  struct Member {
+    std::shared_ptr<Conn> conn;
+    std::string host;
+    int64_t pid = 0;
+    absl::Time last_heartbeat;
+    bool loaded = false;
+  };
+  struct PendingStep {
+    uint64_t step_id = 0;
+    std::vector<bool> answered;
+    std::vector<absl::Status> statuses;
+    int remaining = 0;
+    std::vector<float> logits;
+  };
+
+  std::string Describe(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string NotReadyMessage() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Refuse(const std::shared_ptr<Conn>& conn, Outbox& out, grpc::StatusCode code,
+              const std::string& message) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void StartGroup(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Teardown(const std::string& reason, Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void CheckLiveness(Outbox& out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  mutable absl::Mutex mu_;
+  mutable absl::CondVar changed_;  // signalled on every state change below
+  GroupState state_ ABSL_GUARDED_BY(mu_) = GroupState::kForming;
+  std::vector<std::optional<Member>> members_ ABSL_GUARDED_BY(mu_);  // by rank
+  std::vector<std::shared_ptr<Conn>> conns_ ABSL_GUARDED_BY(mu_);    // every open stream
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t teardowns_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Time loading_since_ ABSL_GUARDED_BY(mu_);
+  int64_t vocab_size_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string last_error_ ABSL_GUARDED_BY(mu_);
+  std::optional<PendingStep> pending_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_step_id_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread monitor_;
+};
+
+namespace {
+
+class RankReactor final : public grpc::ServerBidiReactor<pb::RankMessage, pb::CoordinatorMessage> {
+ public:
+  RankReactor(RemoteRankGroup::Impl* group, std::string peer)
+      : group_(group), conn_(std::make_shared<Conn>(this, std::move(peer))) {
+    group_->AddConn(conn_);
+    StartRead(&in_);
+  }
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      group_->OnStreamEnded(conn_);
+      conn_->RequestClose(grpc::Status::OK);
+      conn_->Flush();
+      return;
+    }
+    group_->OnMessage(conn_, in_);
+    // Safe even when the stream is finishing: this read's reference keeps
+    // the call alive until we return; a read on a finished call fails.
+    StartRead(&in_);
+  }
+  void OnWriteDone(bool ok) override { conn_->OnWriteDone(ok); }
+  void OnDone() override { delete this; }
+
+ private:
+  RemoteRankGroup::Impl* const group_;
+  const std::shared_ptr<Conn> conn_;
+  pb::RankMessage in_;
+};
+
+void Conn::Flush() {
+  const pb::CoordinatorMessage* next = nullptr;
+  grpc::Status finish;
+  {
+    absl::MutexLock lock(&mu_);
+    if (finished_ || write_in_flight_) return;
+    if (!queue_.empty()) {
+      write_in_flight_ = true;
+      next = &queue_.front();  // deque elements stay put while others are added
+    } else if (close_requested_) {
+      finished_ = true;
+      finish = close_status_;
+    } else {
+      return;
+    }
+  }
+  if (next != nullptr) {
+    reactor_->StartWrite(next);
+  } else {
+    reactor_->Finish(finish);
+  }
+}
+
+void Conn::OnWriteDone(bool ok) {
+  {
+    absl::MutexLock lock(&mu_);
+    write_in_flight_ = false;
+    queue_.pop_front();
+    if (!ok) {  // the stream is broken: nothing more will be delivered
+      queue_.clear();
+      if (!close_requested_) {
+        close_requested_ = true;
+        close_status_ = grpc::Status(grpc::StatusCode::UNAVAILABLE, "stream broken");
+      }
+    }
+  }
+  Flush();
+}
+
+class RankControlService final : public pb::RankControl::CallbackService {
+ public:
+  explicit RankControlService(RemoteRankGroup::Impl* group) : group_(group) {}
+  grpc::ServerBidiReactor<pb::RankMessage, pb::CoordinatorMessage>* Connect(
+      grpc::CallbackServerContext* context) override {
+    return new RankReactor(group_, context->peer());
+  }
+
+ private:
+  RemoteRankGroup::Impl* const group_;
+};
+
+std::string UniqueShmName(uint64_t generation) {
+  std::random_device random;
+  return absl::StrCat("/exl3serve-c", getpid(), "-g", generation, "-", random() % 1000000);
+}
+
+}  // namespace
+
+std::string RemoteRankGroup::Impl::Describe(int rank) const {
+  const std::optional<Member>& m = members_[rank];
+  if (!m.has_value()) return absl::StrCat("rank ", rank);
+  return absl::StrCat("rank ", rank, " (", m->host, " pid ", m->pid, ")");
+}
+
+std::string RemoteRankGroup::Impl::NotReadyMessage() const {
+  int registered = 0, loaded = 0;
+  for (const std::optional<Member>& m : members_) {
+    registered += m.has_value();
+    loaded += m.has_value() && m->loaded;
+  }
+  std::string message =
+      stopping_ ? std::string("the rank group is shut down")
+                : absl::StrCat("the rank group is not ready (", GroupStateName(state_), ": ",
+                               registered, " of ", options_.world_size, " ranks registered, ",
+                               loaded, " loaded, generation ", generation_, ")");
+  if (!last_error_.empty()) absl::StrAppend(&message, "; last failure: ", last_error_);
+  return message;
+}
+
+void RemoteRankGroup::Impl::Refuse(const std::shared_ptr<Conn>& conn, Outbox& out,
+                                   grpc::StatusCode code, const std::string& message) {
+  EXL3_LOG(kWarning) << "rank registration from " << conn->peer() << " refused: " << message;
+  conn->RequestClose(grpc::Status(code, message));
+  out.Add(conn);
+}
+
+void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
+                                      const pb::RankMessage& message) {
+  Outbox out;
+  absl::MutexLock lock(&mu_);
+  const int r = conn->rank;
+  // The member this stream holds, if it still holds one.
+  Member* member = (r >= 0 && members_[r].has_value() && members_[r]->conn == conn)
+                       ? &*members_[r] : nullptr;
+  switch (message.kind_case()) {
+    case pb::RankMessage::kRegister: {
+      const pb::Register& reg = message.register_();
+      if (r >= 0) {
+        Refuse(conn, out, grpc::StatusCode::INVALID_ARGUMENT, "register sent twice on one stream");
+        return;
+      }
+      if (reg.protocol_version() != kCoordinatorRankProtocolVersion) {
+        Refuse(conn, out, grpc::StatusCode::FAILED_PRECONDITION,
+               absl::StrCat("rank protocol version mismatch: rank ", reg.rank(), " (", reg.host(),
+                            " pid ", reg.pid(), ") speaks version ", reg.protocol_version(),
+                            ", this coordinator speaks version ",
+                            kCoordinatorRankProtocolVersion,
+                            " (run the same exl3serve release on the coordinator and every rank)"));
+        return;
+      }
+      if (reg.world_size() != 0 && reg.world_size() != options_.world_size) {
+        Refuse(conn, out, grpc::StatusCode::FAILED_PRECONDITION,
+               absl::StrCat("rank ", reg.rank(), " expects world size ", reg.world_size(),
+                            ", the coordinator's group has ", options_.world_size,
+                            " (world_size in the coordinator config)"));
+        return;
+      }
+      if (reg.rank() < 0 || reg.rank() >= options_.world_size) {
+        Refuse(conn, out, grpc::StatusCode::INVALID_ARGUMENT,
+               absl::StrCat("rank must be in [0, ", options_.world_size, "), got ", reg.rank()));
+        return;
+      }
+      if (stopping_) {
+        Refuse(conn, out, grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down");
+        return;
+      }
+      if (members_[reg.rank()].has_value() || state_ != GroupState::kForming) {
+        Refuse(conn, out, grpc::StatusCode::ALREADY_EXISTS,
+               absl::StrCat("rank ", reg.rank(), " is already held by ", Describe(reg.rank()),
+                            "; group generation ", generation_, " is ",
+                            GroupStateName(state_)));
+        return;
+      }
+      conn->rank = reg.rank();
+      Member m;
+      m.conn = conn;
+      m.host = reg.host();
+      m.pid = reg.pid();
+      m.last_heartbeat = absl::Now();
+      members_[reg.rank()] = std::move(m);
+      EXL3_LOG(kInfo) << "rank " << reg.rank() << " registered from " << reg.host() << " pid "
+                      << reg.pid() << " (" << conn->peer() << ")";
+      bool all = true;
+      for (const std::optional<Member>& slot : members_) all = all && slot.has_value();
+      if (all) StartGroup(out);
+      changed_.SignalAll();
+      return;
+    }
+    case pb::RankMessage::kReady: {
+      if (member == nullptr || state_ != GroupState::kLoading) return;
+      member->last_heartbeat = absl::Now();
+      const absl::Status status = FromProto(message.ready().status());
+      if (!status.ok()) {
+        Teardown(absl::StrCat(Describe(r), ": loading failed: ", status.message()), out);
+        return;
+      }
+      member->loaded = true;
+      if (r == 0) vocab_size_ = message.ready().vocab_size();
+      bool all = true;
+      for (const std::optional<Member>& slot : members_) all = all && slot.has_value() && slot->loaded;
+      if (all) {
+        state_ = GroupState::kReady;
+        EXL3_LOG(kInfo) << "rank group generation " << generation_ << " ready ("
+                        << options_.world_size << " ranks)";
+      }
+      changed_.SignalAll();
+      return;
+    }
+    case pb::RankMessage::kHeartbeat:
+      if (member != nullptr) member->last_heartbeat = absl::Now();
+      return;
+    case pb::RankMessage::kStepResult: {
+      if (member == nullptr) return;
+      member->last_heartbeat = absl::Now();
+      const pb::StepResult& result = message.step_result();
+      if (!pending_.has_value() || pending_->step_id != result.step_id() || pending_->answered[r]) {
+        return;
+      }
+      pending_->answered[r] = true;
+      pending_->statuses[r] = FromProto(result.status());
+      if (r == 0) pending_->logits.assign(result.logits().begin(), result.logits().end());
+      --pending_->remaining;
+      changed_.SignalAll();
+      return;
+    }
+    default:
+      return;
+  }
+}
+
+void RemoteRankGroup::Impl::OnStreamEnded(const std::shared_ptr<Conn>& conn) {
+  Outbox out;
+  absl::MutexLock lock(&mu_);
+  for (auto it = conns_.begin(); it != conns_.end(); ++it) {
+    if (*it == conn) {
+      conns_.erase(it);
+      break;
+    }
+  }
+  const int r = conn->rank;
+  if (r < 0 || !members_[r].has_value() || members_[r]->conn != conn) return;
+  if (state_ == GroupState::kForming) {  // no group yet: just free the slot
+    EXL3_LOG(kInfo) << Describe(r) << " left before the group formed";
+    members_[r].reset();
+    changed_.SignalAll();
+    return;
+  }
+  Teardown(absl::StrCat(Describe(r), " disconnected (its stream ended)"), out);
+}
+
+void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
+  ++generation_;
+  state_ = GroupState::kLoading;
+  loading_since_ = absl::Now();
+  pb::CoordinatorMessage message;
+  pb::Setup* setup = message.mutable_setup();
+  setup->set_protocol_version(kCoordinatorRankProtocolVersion);
+  setup->set_group_generation(generation_);
+  setup->set_model_dir(options_.model_dir);
+  setup->set_world_size(options_.world_size);
+  setup->set_expert_parallel(options_.expert_parallel);
+  pb::CommSettings* comm = setup->mutable_comm();
+  comm->set_backend(options_.comm.backend);
+  comm->set_shm_name(options_.comm.backend == "shm" && options_.comm.shm_name.empty()
+                         ? UniqueShmName(generation_)
+                         : options_.comm.shm_name);
+  comm->set_bootstrap_address(options_.comm.bootstrap_address);
+  comm->set_ucx_tls(options_.comm.ucx_tls);
+  setup->mutable_kv()->set_dtype_bits(KvBits(options_.kv.dtype));
+  setup->mutable_kv()->set_num_pages(options_.kv.num_pages);
+  setup->mutable_kv()->set_page_size_tokens(options_.kv.page_size_tokens);
+  setup->set_threads(options_.threads_per_rank);
+  setup->set_join_timeout_ms(absl::ToInt64Milliseconds(options_.join_timeout));
+  setup->set_collective_timeout_ms(absl::ToInt64Milliseconds(options_.collective_timeout));
+  setup->set_heartbeat_interval_ms(absl::ToInt64Milliseconds(options_.heartbeat_interval));
+  EXL3_LOG(kInfo) << "rank group generation " << generation_ << ": all " << options_.world_size
+                  << " ranks registered, sending setup";
+  for (std::optional<Member>& m : members_) {
+    m->last_heartbeat = absl::Now();
+    m->conn->Enqueue(message);
+    out.Add(m->conn);
+  }
+}
+
+void RemoteRankGroup::Impl::Teardown(const std::string& reason, Outbox& out) {
+  EXL3_LOG(kWarning) << "rank group generation " << generation_ << " torn down: " << reason;
+  pb::CoordinatorMessage message;
+  message.mutable_shutdown()->set_reason(reason);
+  for (std::optional<Member>& m : members_) {
+    if (!m.has_value()) continue;
+    m->conn->Enqueue(message);
+    m->conn->RequestClose(grpc::Status::OK);
+    out.Add(m->conn);
+    m.reset();
+  }
+  if (stopping_) {  // also the streams that never registered
+    for (const std::shared_ptr<Conn>& conn : conns_) {
+      conn->RequestClose(grpc::Status(grpc::StatusCode::UNAVAILABLE, reason));
+      out.Add(conn);
+    }
+  }
+  state_ = stopping_ ? GroupState::kStopped : GroupState::kForming;
+  last_error_ = reason;
+  ++teardowns_;
+  changed_.SignalAll();
+}
+
+void RemoteRankGroup::Impl::CheckLiveness(Outbox& out) {
+  if (state_ == GroupState::kStopped) return;
+  const absl::Time now = absl::Now();
+  for (int r = 0; r < options_.world_size; ++r) {
+    const std::optional<Member>& m = members_[r];
+    if (!m.has_value()) continue;
+    const absl::Duration age = now - m->last_heartbeat;
+    if (age > options_.heartbeat_timeout) {
+      const std::string reason = absl::StrCat(
+          Describe(r), " sent no heartbeat for ", absl::FormatDuration(age),
+          " (heartbeat_timeout ", absl::FormatDuration(options_.heartbeat_timeout), ")");
+      if (state_ == GroupState::kForming) {
+        EXL3_LOG(kWarning) << reason << "; freeing its slot";
+        m->conn->RequestClose(grpc::Status(grpc::StatusCode::UNAVAILABLE, reason));
+        out.Add(m->conn);
+        members_[r].reset();
+        changed_.SignalAll();
+      } else {
+        Teardown(reason, out);
+        return;
+      }
+    }
+  }
+  if (state_ == GroupState::kLoading && now - loading_since_ > options_.load_timeout) {
+    std::vector<std::string> missing;
+    for (int r = 0; r < options_.world_size; ++r) {
+      if (members_[r].has_value() && !members_[r]->loaded) missing.push_back(Describe(r));
+    }
+    Teardown(absl::StrCat(absl::StrJoin(missing, ", "), " did not report ready within ",
+                          absl::FormatDuration(options_.load_timeout), " (load_timeout)"),
+             out);
+  }
+}
+
+void RemoteRankGroup::Impl::Monitor() {
+  // Checks a few times per heartbeat timeout; a timed wait on the stop flag.
+  const absl::Duration period = std::clamp(options_.heartbeat_timeout / 4,
+                                           absl::Milliseconds(20), absl::Seconds(1));
+  while (true) {
+    Outbox out;
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return;
+    changed_.WaitWithTimeout(&mu_, period);
+    if (stopping_) return;
+    CheckLiveness(out);
+  }
+}
+
+absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* logits) {
+  uint64_t epoch = 0, id = 0;
+  {
+    Outbox out;
+    absl::MutexLock lock(&mu_);
+    if (state_ != GroupState::kReady) return absl::UnavailableError(NotReadyMessage());
+    if (pending_.has_value()) {
+      return absl::FailedPreconditionError("rank group: a step is already in flight");
+    }
+    id = ++next_step_id_;
+    step.set_step_id(id);
+    PendingStep pending;
+    pending.step_id = id;
+    pending.answered.assign(options_.world_size, false);
+    pending.statuses.resize(options_.world_size);
+    pending.remaining = options_.world_size;
+    pending_ = std::move(pending);
+    epoch = teardowns_;
+    pb::CoordinatorMessage message;
+    *message.mutable_step() = std::move(step);
+    for (std::optional<Member>& m : members_) {
+      m->conn->Enqueue(message);
+      out.Add(m->conn);
+    }
+  }
+  Outbox out;
+  absl::MutexLock lock(&mu_);
+  const absl::Time deadline = absl::Now() + options_.step_timeout;
+  while (pending_->remaining > 0 && teardowns_ == epoch) {
+    if (changed_.WaitWithDeadline(&mu_, deadline)) break;
+  }
+  PendingStep done = std::move(*pending_);
+  pending_.reset();
+  if (teardowns_ != epoch) {
+    return absl::UnavailableError(
+        absl::StrCat("step ", id, " failed: the rank group broke: ", last_error_));
+  }
+  if (done.remaining > 0) {
+    std::vector<std::string> silent;
+    for (int r = 0; r < options_.world_size; ++r) {
+      if (!done.answered[r]) silent.push_back(Describe(r));
+    }
+    const std::string reason =
+        absl::StrCat(absl::StrJoin(silent, ", "), " did not answer step ", id, " within ",
+                     absl::FormatDuration(options_.step_timeout), " (step_timeout)");
+    Teardown(reason, out);
+    return absl::UnavailableError(reason);
+  }
+  for (int r = 0; r < options_.world_size; ++r) {
+    if (!done.statuses[r].ok()) {
+      return absl::Status(done.statuses[r].code(),
+                          absl::StrCat("rank ", r, ": ", done.statuses[r].message()));
+    }
+  }
+  if (logits != nullptr) *logits = std::move(done.logits);
+  return absl::OkStatus();
+}
+
+absl::Status RemoteRankGroup::Impl::WaitReady(absl::Time deadline) const {
+  absl::MutexLock lock(&mu_);
+  while (state_ != GroupState::kReady && !stopping_) {
+    if (changed_.WaitWithDeadline(&mu_, deadline)) break;
+  }
+  if (stopping_) return absl::CancelledError("the rank group is shut down");
+  if (state_ == GroupState::kReady) return absl::OkStatus();
+  return absl::UnavailableError(NotReadyMessage());
+}
+
+RankGroupStatus RemoteRankGroup::Impl::Status() const {
+  absl::MutexLock lock(&mu_);
+  RankGroupStatus status;
+  status.state = state_;
+  status.generation = generation_;
+  status.world_size = options_.world_size;
+  status.last_error = last_error_;
+  const absl::Time now = absl::Now();
+  for (int r = 0; r < options_.world_size; ++r) {
+    RankSlotInfo info;
+    info.rank = r;
+    if (const std::optional<Member>& m = members_[r]; m.has_value()) {
+      info.up = true;
+      info.loaded = m->loaded;
+      info.address = absl::StrCat(m->host, " pid ", m->pid, " (", m->conn->peer(), ")");
+      info.last_heartbeat_age = now - m->last_heartbeat;
+    }
+    status.ranks.push_back(std::move(info));
+  }
+  return status;
+}
+
+void RemoteRankGroup::Impl::Shutdown(const std::string& reason) {
+  Outbox out;
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return;
+  stopping_ = true;
+  Teardown(reason, out);
+}
+
+// ---------------------------------------------------------------- RemoteRankGroup
+
+const char* GroupStateName(GroupState state) {
+  switch (state) {
+    case GroupState::kForming:
+      return "forming";
+    case GroupState::kLoading:
+      return "loading";
+    case GroupState::kReady:
+      return "ready";
+    case GroupState::kStopped:
+      return "stopped";
+  }
+  return "unknown";
+}
+
+RemoteRankGroup::RemoteRankGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(
+    const RankGroupOptions& options) {
+  if (options.world_size < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("world_size must be >= 1, got ", options.world_size));
+  }
+  if (options.model_dir.empty()) return absl::InvalidArgumentError("model_dir is empty");
+  if (options.comm.backend != "shm" && options.comm.backend != "ucx") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("comm.backend must be shm or ucx, got \"", options.comm.backend, "\""));
+  }
+  if (options.comm.backend == "ucx" && options.comm.bootstrap_address.empty()) {
+    return absl::InvalidArgumentError("comm.bootstrap_address (host:port) is needed for ucx");
+  }
+  if (options.heartbeat_timeout <= options.heartbeat_interval) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "heartbeat_timeout (", absl::FormatDuration(options.heartbeat_timeout),
+        ") must exceed heartbeat_interval (", absl::FormatDuration(options.heartbeat_interval),
+        ")"));
+  }
+  auto impl = std::make_unique<Impl>(options);
+  auto service = std::make_unique<RankControlService>(impl.get());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
+                           &impl->port_);
+  builder.SetMaxReceiveMessageSize(-1);
+  builder.SetMaxSendMessageSize(-1);
+  // Ranks ping every 10 s (rank_client.cc); allow it without calls in flight.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.RegisterService(service.get());
+  impl->server_ = builder.BuildAndStart();
+  if (impl->server_ == nullptr || impl->port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen for ranks on ",
+                                               options.listen_address, " (listen_address)"));
+  }
+  impl->service_ = std::move(service);
+  impl->StartMonitor();
+  EXL3_LOG(kInfo) << "rank endpoint listening on port " << impl->port_ << " for "
+                  << options.world_size << " ranks";
+  return std::unique_ptr<RemoteRankGroup>(new RemoteRankGroup(std::move(impl)));
+}
+
+RemoteRankGroup::~RemoteRankGroup() {
+  impl_->Shutdown("the coordinator is shutting down");
+  impl_->JoinMonitor();
+  // Streams still open are cancelled after the grace period; the reactors
+  // finish (they need impl_, alive until Wait returns).
+  impl_->server_->Shutdown(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+  impl_->server_->Wait();
+}
+
+int RemoteRankGroup::port() const { return impl_->port_; }
+const RankGroupOptions& RemoteRankGroup::options() const { return impl_->options_; }
+int64_t RemoteRankGroup::vocab_size() const { return impl_->vocab_size(); }
+bool RemoteRankGroup::ready() const { return impl_->ready(); }
+uint64_t RemoteRankGroup::generation() const { return impl_->generation(); }
+absl::Status RemoteRankGroup::WaitReady(absl::Time deadline) const {
+  return impl_->WaitReady(deadline);
+}
+RankGroupStatus RemoteRankGroup::status() const { return impl_->Status(); }
+void RemoteRankGroup::Shutdown(const std::string& reason) { impl_->Shutdown(reason); }
+
+absl::Status RemoteRankGroup::AddSequence(int64_t seq_id) {
+  pb::Step step;
+  step.mutable_add_sequence()->set_seq_id(seq_id);
+  return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::RemoveSequence(int64_t seq_id) {
+  pb::Step step;
+  step.mutable_remove_sequence()->set_seq_id(seq_id);
+  return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::Forward(std::span<const worker::SequenceTokens> batch,
+                                      worker::LogitsRows rows, std::vector<float>* logits) {
+  pb::Step step;
+  pb::ForwardBatch* forward = step.mutable_forward();
+  forward->set_rows(rows == worker::LogitsRows::kLastToken ? pb::LOGITS_ROWS_LAST_TOKEN
+                                                           : pb::LOGITS_ROWS_ALL_TOKENS);
+  for (const worker::SequenceTokens& entry : batch) {
+    pb::SequenceTokens* seq = forward->add_sequences();
+    seq->set_seq_id(entry.seq_id);
+    seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
+  }
+  std::vector<float> received;
+  EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), &received));
+  if (logits != nullptr) *logits = std::move(received);
+  return absl::OkStatus();
+}
+
+}  // namespace exl3serve::coordinator

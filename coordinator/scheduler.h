@@ -1,0 +1,221 @@
+// coordinator/scheduler.h — the continuous-batching schedule of the
+// coordinator: which sequences run in the next forward and with which tokens,
+// and the KV block allocator that mirrors the ranks' paged caches. Pure
+// logic: no threads, no model, no clock (the caller passes `now`), so every
+// rule is unit-testable (tests/coordinator/scheduler_test.cc).
+//
+//   Scheduler scheduler(options);
+//   EXL3_RETURN_IF_ERROR(scheduler.Add(seq_id, prompt, deadline));
+//   ScheduleOutput step = scheduler.Schedule(absl::Now());
+//   // executor: RemoveSequence(step.release...), AddSequence(step.admit...),
+//   //           Forward(step.batch); then per entry with needs_logits:
+//   scheduler.AppendToken(seq_id, sampled);   // or scheduler.Finish(seq_id)
+//
+// The life of a sequence:
+//   waiting ──admit──> running (prefilling: tokens not yet in the cache > 1,
+//   or a prompt not yet complete) ──prompt done──> running (decoding: one new
+//   token per step) ──Finish / Cancel / deadline──> gone (released next step).
+//   A running sequence may be preempted back to the *front* of the waiting
+//   queue: its blocks are freed, its cache forgotten (the executor releases
+//   it), and its tokens so far (prompt + generated) become the prompt it
+//   re-prefills later (recompute preemption).
+//
+// One Schedule() call, in this order:
+//   1. Drops finished, cancelled and expired (deadline <= now) sequences:
+//      their blocks are freed, those the executor holds are listed in
+//      `release`, cancelled/expired ones in `dropped` (the caller reports them).
+//   2. Running sequences, decoding ones first, then prefilling ones, each in
+//      admission order (oldest first), get their next tokens: decoding one
+//      token, prefilling min(pending, budget left) tokens, limited by the
+//      blocks they can get. When a running sequence cannot get a block for
+//      even one token, the most recently admitted running sequence that is not
+//      in this step's batch (possibly itself) is preempted, until it fits.
+//   3. If nothing was preempted in this step: waiting sequences in queue order
+//      (FCFS; the first that does not fit stops admission, none is skipped)
+//      are admitted while the budget, the free blocks and max_running allow;
+//      a prompt longer than what is left is prefilled in chunks over several
+//      steps (chunked prefill).
+//
+// Invariants (checked by the tests after every call):
+//   I1  free_blocks() + Σ blocks held by running sequences == num_blocks;
+//       waiting sequences hold none.
+//   I2  A running sequence holding `computed` cached positions holds exactly
+//       ceil(computed / page) blocks once the batch has run — the pages
+//       PagedKvCache::Reserve gives a sequence for the same positions, so with
+//       the same page size and page count the ranks' Forward never runs out
+//       of pages (ResourceExhausted) for a batch this scheduler produced.
+//   I3  Σ tokens of a batch <= step_token_budget; running <= max_running;
+//       each sequence appears at most once per batch, with >= 1 token.
+//   I4  A batch entry's tokens are the sequence's tokens [computed, computed
+//       + count); needs_logits is true iff they end at the sequence's last
+//       token (a prefill chunk that does not complete the prompt needs none).
+//   I5  Preemption never changes a sequence's tokens; after re-admission it
+//       re-prefills exactly the tokens it had.
+//   I6  Liveness: a victim is always the most recently admitted sequence not
+//       yet in the batch, and decoding sequences are served first, oldest
+//       first, so the oldest decoding sequence always progresses; with every
+//       sequence's final length <= the pool's positions (Add enforces it for
+//       the prompt, the engine for prompt + max_tokens) every sequence
+//       finishes (the randomized test drives workloads to completion).
+//
+// Schedule() assumes the batch it returns will run: the sequences' cached
+// positions are advanced when it returns. If the forward fails the caller
+// must drop every sequence (the engine fails them all, then Reset()s).
+//
+// Thread safety: thread-compatible (the engine's scheduler thread owns it).
+#ifndef EXL3SERVE_COORDINATOR_SCHEDULER_H_
+#define EXL3SERVE_COORDINATOR_SCHEDULER_H_
+
+#include <cstdint>
+#include <deque>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+
+namespace exl3serve::coordinator {
+
+struct SchedulerOptions {
+  // Must equal the ranks' KvCacheOptions (page_size_tokens, num_pages): the
+  // allocator mirrors their page accounting.
+  int64_t page_size_tokens = 16;
+  int64_t num_blocks = 256;
+  // Sequences in the running set at most (each is a row of every decode step).
+  int64_t max_running = 64;
+  // New tokens per forward at most (decode rows + prefill chunks). Bounds the
+  // step's activation memory and the latency a long prompt adds to decoders.
+  int64_t step_token_budget = 512;
+  // Waiting sequences at most (Add fails with ResourceExhausted beyond it;
+  // preempted sequences return regardless). 0 = unlimited.
+  int64_t max_waiting = 0;
+};
+
+enum class DropReason {
+  kCancelled,  // Cancel(): abort, client gone, shutdown
+  kDeadline,   // the deadline passed
+};
+
+struct ScheduledChunk {
+  int64_t seq_id = 0;
+  // The sequence's tokens [start, start + tokens.size()); `tokens` points into
+  // the scheduler and is valid until the next non-const call.
+  int64_t start = 0;
+  std::span<const int32_t> tokens;
+  // The chunk ends at the sequence's last token: its logits give the next one.
+  bool needs_logits = false;
+};
+
+struct DroppedSequence {
+  int64_t seq_id = 0;
+  DropReason reason = DropReason::kCancelled;
+};
+
+struct ScheduleOutput {
+  // Sequences the executor must forget (RemoveSequence), before `admit`:
+  // finished, cancelled, expired and preempted ones that were admitted.
+  std::vector<int64_t> release;
+  // Sequences the executor must start (AddSequence), before the forward.
+  std::vector<int64_t> admit;
+  // The forward: each running sequence at most once.
+  std::vector<ScheduledChunk> batch;
+  // Sequences preempted in this step (also in `release`; back in the queue).
+  std::vector<int64_t> preempted;
+  // Cancelled or expired sequences removed in this step (for their responses).
+  std::vector<DroppedSequence> dropped;
+  // Sequences removed by Finish() in this step.
+  std::vector<int64_t> finished;
+};
+
+class Scheduler {
+ public:
+  explicit Scheduler(const SchedulerOptions& options);
+
+  // Queues a new sequence at the back of the waiting queue.
+  // Errors: InvalidArgument for an empty prompt, a seq_id in use, or a prompt
+  // longer than the pool's positions (it could never run); ResourceExhausted
+  // naming the limit when max_waiting sequences already wait.
+  absl::Status Add(int64_t seq_id, std::vector<int32_t> prompt,
+                   absl::Time deadline = absl::InfiniteFuture());
+
+  // Appends the token sampled from the logits of `seq_id`'s last batch entry
+  // (needs_logits). Requires: the sequence is running and all its tokens
+  // were scheduled (CHECKed).
+  void AppendToken(int64_t seq_id, int32_t token);
+  // The sequence is done; it is removed (blocks freed, listed in `release`
+  // and `finished`) by the next Schedule(). False for an unknown id.
+  bool Finish(int64_t seq_id);
+  // Cancels the sequence; it is removed by the next Schedule() (listed in
+  // `dropped` with kCancelled). False for an unknown or finishing id.
+  bool Cancel(int64_t seq_id);
+
+  // Runs the steps described at the top of the file.
+  ScheduleOutput Schedule(absl::Time now);
+
+  // Forgets every sequence and frees every block (after a failed forward).
+  // Returns the ids it held.
+  std::vector<int64_t> Reset();
+
+  // Replay after the rank group was re-formed (every cache is gone): every
+  // running sequence not marked finished/cancelled goes back to the front of
+  // the queue in admission order (oldest first), its blocks freed and its
+  // tokens (prompt + generated) kept, to be prefilled again (I5). Marked
+  // sequences are removed by the next Schedule() as usual. Returns the ids
+  // requeued.
+  std::vector<int64_t> RequeueAll();
+
+  bool Contains(int64_t seq_id) const { return seqs_.contains(seq_id); }
+  // The sequence's tokens (prompt + generated). Requires: Contains(seq_id).
+  std::span<const int32_t> tokens(int64_t seq_id) const;
+  // Tokens in the cache (0 while waiting). Requires: Contains(seq_id).
+  int64_t computed(int64_t seq_id) const;
+  // Blocks the sequence holds. Requires: Contains(seq_id).
+  int64_t blocks_held(int64_t seq_id) const;
+  bool is_running(int64_t seq_id) const;
+
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t num_blocks() const { return options_.num_blocks; }
+  int64_t free_blocks() const { return free_blocks_; }
+  uint64_t num_preemptions() const { return num_preemptions_; }
+  bool empty() const { return seqs_.empty(); }
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  enum class Mark { kNone, kFinished, kCancelled };
+  struct Sequence {
+    std::vector<int32_t> tokens;
+    int64_t computed = 0;  // positions in the cache
+    int64_t blocks = 0;    // blocks held
+    bool running = false;
+    bool decoding = false;       // the prompt was prefilled once since admission
+    uint64_t admitted_at = 0;    // admission counter (larger = more recent)
+    absl::Time deadline = absl::InfiniteFuture();
+    Mark mark = Mark::kNone;
+  };
+
+  int64_t BlocksFor(int64_t positions) const {
+    return (positions + options_.page_size_tokens - 1) / options_.page_size_tokens;
+  }
+  // Tokens of `seq` that fit in its blocks plus the free ones, beyond computed.
+  int64_t TokensThatFit(const Sequence& seq) const;
+  // Moves a running sequence to the front of the queue, freeing its blocks.
+  void Preempt(int64_t seq_id, ScheduleOutput* out);
+  // Removes a sequence entirely, freeing its blocks.
+  void Erase(int64_t seq_id);
+  // Schedules `count` tokens of running sequence `seq_id` (allocating blocks).
+  void Emit(int64_t seq_id, int64_t count, ScheduleOutput* out);
+
+  SchedulerOptions options_;
+  absl::flat_hash_map<int64_t, Sequence> seqs_;
+  std::deque<int64_t> waiting_;   // queue order
+  std::vector<int64_t> running_;  // admission order
+  int64_t free_blocks_ = 0;
+  uint64_t admissions_ = 0;
+  uint64_t num_preemptions_ = 0;
+};
+
+}  // namespace exl3serve::coordinator
+
+#endif  // EXL3SERVE_COORDINATOR_SCHEDULER_H_

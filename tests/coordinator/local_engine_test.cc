@@ -1,0 +1,526 @@
+// The serving engine end to end on a small Llama model in this process:
+// 64 concurrent greedy requests with mixed prompt lengths get exactly the
+// tokens each gets alone (worker::Generate), also with a KV pool small enough
+// to force preemption; aborted requests end with ABORT and their blocks come
+// back; malformed requests are rejected naming the field; a full queue is
+// ResourceExhausted; seeded sampling is reproducible; deadlines; a failing
+// executor ends every request with an error and never hangs.
+//
+// Synchronisation: futures of each request's terminal response and a
+// GatedExecutor that parks the scheduler thread inside Forward on request —
+// never sleeps. Time for deadlines comes from a fake clock.
+#include "coordinator/local_engine.h"
+
+#include <atomic>
+#include <cstdint>
+#include <future>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "sharding/test_model.h"
+#include "tests/testing/scratch_dir.h"
+#include "worker/model/generator.h"
+#include "worker/model/step_executor.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::coordinator {
+namespace {
+
+constexpr absl::Duration kWait = absl::Seconds(120);  // per wait; a hang fails, not blocks
+
+struct Model {
+  testing::ScratchDir dir;
+  std::string path;
+  std::unique_ptr<worker::Transformer> transformer;
+};
+Model* model = nullptr;
+
+// Wraps an executor; Hold() makes the next Forward wait (parked) until Release().
+class GatedExecutor final : public worker::StepExecutor {
+ public:
+  explicit GatedExecutor(std::unique_ptr<worker::StepExecutor> inner) : inner_(std::move(inner)) {}
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
+  absl::Status RemoveSequence(int64_t id) override { return inner_->RemoveSequence(id); }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
+                       std::vector<float>* logits) override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (held_) {
+        parked_ = true;
+        mu_.Await(absl::Condition(+[](bool* held) { return !*held; }, &held_));
+        parked_ = false;
+      }
+    }
+    return inner_->Forward(batch, rows, logits);
+  }
+  void Hold() {
+    absl::MutexLock lock(&mu_);
+    held_ = true;
+  }
+  // Waits until a Forward is parked.
+  bool WaitParked() {
+    absl::MutexLock lock(&mu_);
+    return mu_.AwaitWithTimeout(absl::Condition(&parked_), kWait);
+  }
+  void Release() {
+    absl::MutexLock lock(&mu_);
+    held_ = false;
+  }
+
+ private:
+  std::unique_ptr<worker::StepExecutor> inner_;
+  absl::Mutex mu_;
+  bool held_ = false;
+  bool parked_ = false;
+};
+
+// Every response of one request; Wait() returns the terminal one.
+class Stream {
+ public:
+  ResponseCallback Callback() {
+    return [this](const v1::GenerateResponse& r) {
+      absl::MutexLock lock(&mu_);
+      responses_.push_back(r);
+      if (r.has_chunk()) {
+        ++chunks_;
+        for (uint32_t id : r.chunk().token_ids()) streamed_.push_back(static_cast<int32_t>(id));
+      } else {
+        EXPECT_FALSE(done_) << "a second terminal response";
+        done_ = true;
+      }
+    };
+  }
+  // The terminal response; fails the test (returns an empty one) on timeout.
+  v1::GenerateResponse Wait() {
+    absl::MutexLock lock(&mu_);
+    if (!mu_.AwaitWithTimeout(absl::Condition(&done_), kWait)) {
+      ADD_FAILURE() << "no terminal response within " << kWait;
+      return {};
+    }
+    return responses_.back();
+  }
+  bool WaitForChunk() {
+    absl::MutexLock lock(&mu_);
+    auto has = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return chunks_ > 0 || done_; };
+    return mu_.AwaitWithTimeout(absl::Condition(&has), kWait) && chunks_ > 0;
+  }
+  std::vector<int32_t> streamed() {
+    absl::MutexLock lock(&mu_);
+    return streamed_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::vector<v1::GenerateResponse> responses_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> streamed_ ABSL_GUARDED_BY(mu_);
+  int chunks_ ABSL_GUARDED_BY(mu_) = 0;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+std::vector<int32_t> Prompt(int n, uint32_t seed) {
+  std::vector<int32_t> ids(n);
+  uint32_t x = seed;
+  for (int32_t& id : ids) {
+    x = x * 1664525u + 1013904223u;
+    id = static_cast<int32_t>((x >> 8) % 1000);
+  }
+  return ids;
+}
+
+v1::GenerateRequest Request(const std::vector<int32_t>& prompt, int max_tokens,
+                            const std::string& id = "") {
+  v1::GenerateRequest r;
+  r.set_request_id(id);
+  for (int32_t t : prompt) r.mutable_tokenized()->add_input_ids(static_cast<uint32_t>(t));
+  r.mutable_sampling_params()->set_max_tokens(max_tokens);
+  r.mutable_sampling_params()->set_ignore_eos(true);
+  return r;
+}
+
+// Greedy tokens of `prompt` run alone.
+std::vector<int32_t> Alone(const std::vector<int32_t>& prompt, int max_tokens) {
+  worker::KvCacheOptions kv;
+  kv.dtype = worker::KvCacheDtype::kFp32;
+  kv.num_pages = 64;
+  auto cache = model->transformer->CreateKvCache(kv);
+  EXPECT_TRUE(cache.ok());
+  worker::GenerationOptions options;
+  options.sampling.temperature = 0;
+  options.max_new_tokens = max_tokens;
+  std::vector<int32_t> out;
+  auto done = worker::Generate(*model->transformer, &*cache, 0, prompt, options,
+                               [&](const worker::GeneratedStep& s) {
+                                 out.push_back(s.token.id);
+                                 return true;
+                               });
+  EXPECT_TRUE(done.ok()) << done.status();
+  return out;
+}
+
+std::vector<int32_t> Ids(const v1::GenerateComplete& c) {
+  return std::vector<int32_t>(c.output_ids().begin(), c.output_ids().end());
+}
+
+class LocalEngineTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    model = new Model();
+    sharding::TestModelOptions options;  // llama, hidden 256, vocab 1000
+    options.peaked_logits = true;
+    options.seed = 21;
+    model->path = model->dir.File("llama");
+    ASSERT_TRUE(sharding::WriteTestModel(model->path, options).ok());
+    auto loaded = worker::Transformer::Load(model->path);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    model->transformer = std::move(*loaded);
+  }
+  static void TearDownTestSuite() {
+    delete model;
+    model = nullptr;
+  }
+
+ protected:
+  static EngineOptions Options(int64_t pages, int page_size) {
+    EngineOptions options;
+    options.model_dir = model->path;
+    options.kv.dtype = worker::KvCacheDtype::kFp32;
+    options.kv.num_pages = pages;
+    options.kv.page_size_tokens = page_size;
+    options.max_running = 16;
+    options.step_token_budget = 48;
+    options.max_queue = 1000;
+    return options;
+  }
+  // An engine over the shared in-process model, behind a gate.
+  std::unique_ptr<LocalEngine> Engine(const EngineOptions& options) {
+    auto cache = model->transformer->CreateKvCache(options.kv);
+    EXPECT_TRUE(cache.ok());
+    auto gated = std::make_unique<GatedExecutor>(
+        std::make_unique<worker::LocalStepExecutor>(model->transformer.get(), std::move(*cache)));
+    gate_ = gated.get();
+    EngineModel m;
+    m.config = model->transformer->config();
+    return std::make_unique<LocalEngine>(options, std::move(m), std::move(gated));
+  }
+  GatedExecutor* gate_ = nullptr;
+};
+
+TEST_F(LocalEngineTest, ConcurrentGreedyRequestsGetTheirLoneTokensDespitePreemption) {
+  // 40 pages of 4 = 160 positions: 16 running sequences of up to 64 positions
+  // cannot all fit, so decoding preempts.
+  EngineOptions options = Options(40, 4);
+  auto engine = Engine(options);
+  constexpr int kRequests = 64;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<int> max_tokens;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(Prompt(1 + (i * 7) % 40, 100 + i));
+    max_tokens.push_back(4 + (i * 5) % 21);
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(prompts[i], max_tokens[i], absl::StrCat("r", i)),
+                               streams[i]->Callback())
+                    .ok());
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    v1::GenerateResponse r = streams[i]->Wait();
+    ASSERT_TRUE(r.has_complete()) << i << ": " << r.DebugString();
+    EXPECT_EQ(r.request_id(), absl::StrCat("r", i));
+    EXPECT_EQ(r.complete().finish_reason(), v1::FINISH_REASON_LENGTH);
+    const std::vector<int32_t> alone = Alone(prompts[i], max_tokens[i]);
+    EXPECT_EQ(Ids(r.complete()), alone) << "request " << i;
+    EXPECT_EQ(streams[i]->streamed(), alone) << "request " << i;
+    EXPECT_EQ(r.complete().prompt_tokens(), prompts[i].size());
+    EXPECT_EQ(r.complete().completion_tokens(), alone.size());
+    EXPECT_GE(r.complete().total_generation_time_seconds(),
+              r.complete().time_to_first_token_seconds());
+  }
+  ASSERT_TRUE(engine->WaitForIdle(absl::Now() + kWait));
+  const v1::GetServerInfoResponse info = engine->GetServerInfo();
+  EXPECT_GT(info.num_preemptions(), 0u);
+  EXPECT_EQ(info.kv_blocks_free(), info.kv_blocks_total());
+  EXPECT_EQ(info.kv_blocks_total(), 40u);
+  EXPECT_EQ(info.num_requests_running(), 0u);
+  EXPECT_EQ(info.num_requests_waiting(), 0u);
+  EXPECT_TRUE(info.ready());
+}
+
+TEST_F(LocalEngineTest, AbortedRequestsEndWithAbortAndReturnTheirBlocks) {
+  auto engine = Engine(Options(256, 16));
+  constexpr int kRequests = 12;
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<std::vector<int32_t>> prompts;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(Prompt(3 + i, 7 + i));
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(prompts[i], 60, absl::StrCat("a", i)),
+                               streams[i]->Callback())
+                    .ok());
+  }
+  for (auto& s : streams) ASSERT_TRUE(s->WaitForChunk());
+  // Park the scheduler thread so every request is mid-stream when aborted.
+  gate_->Hold();
+  ASSERT_TRUE(gate_->WaitParked());
+  std::vector<std::string> victims;
+  for (int i = 0; i < kRequests; i += 2) victims.push_back(absl::StrCat("a", i));
+  victims.push_back("no-such-request");
+  EXPECT_EQ(engine->Abort(victims, "test"), kRequests / 2);
+  EXPECT_LT(engine->GetServerInfo().kv_blocks_free(), 256u);
+  gate_->Release();
+  for (int i = 0; i < kRequests; ++i) {
+    v1::GenerateResponse r = streams[i]->Wait();
+    ASSERT_TRUE(r.has_complete()) << r.DebugString();
+    const std::vector<int32_t> alone = Alone(prompts[i], 60);
+    if (i % 2 == 0) {
+      EXPECT_EQ(r.complete().finish_reason(), v1::FINISH_REASON_ABORT);
+      EXPECT_LT(r.complete().output_ids_size(), 60);
+      const std::vector<int32_t> got = Ids(r.complete());
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), alone.begin())) << "prefix of " << i;
+    } else {
+      EXPECT_EQ(r.complete().finish_reason(), v1::FINISH_REASON_LENGTH);
+      EXPECT_EQ(Ids(r.complete()), alone);
+    }
+  }
+  ASSERT_TRUE(engine->WaitForIdle(absl::Now() + kWait));
+  const v1::GetServerInfoResponse info = engine->GetServerInfo();
+  EXPECT_EQ(info.kv_blocks_free(), info.kv_blocks_total());
+  EXPECT_EQ(engine->Abort({"a1"}, ""), 0);  // no longer live
+}
+
+TEST_F(LocalEngineTest, RejectsMalformedRequestsNamingTheField) {
+  EngineOptions options = Options(16, 4);  // 64 positions
+  auto engine = Engine(options);
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    std::string field;
+  };
+  std::vector<Case> cases;
+  auto add = [&](std::string name, std::string field, auto edit) {
+    v1::GenerateRequest r = Request({1, 2, 3}, 4);
+    edit(r);
+    cases.push_back({std::move(name), std::move(r), std::move(field)});
+  };
+  add("no input", "input", [](v1::GenerateRequest& r) { r.clear_input(); });
+  add("empty ids", "tokenized.input_ids",
+      [](v1::GenerateRequest& r) { r.mutable_tokenized()->clear_input_ids(); });
+  add("empty text", "text", [](v1::GenerateRequest& r) { r.set_text(""); });
+  add("text without tokenizer", "text", [](v1::GenerateRequest& r) { r.set_text("hello"); });
+  add("id outside vocab", "tokenized.input_ids",
+      [](v1::GenerateRequest& r) { r.mutable_tokenized()->add_input_ids(1000); });
+  add("negative max_tokens", "sampling_params.max_tokens",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_max_tokens(-1); });
+  add("huge max_tokens", "sampling_params.max_tokens",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_max_tokens(1 << 30); });
+  add("prompt + max_tokens over the context", "sampling_params.max_tokens",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_max_tokens(62); });
+  add("oversize prompt", "input", [](v1::GenerateRequest& r) {
+    for (int i = 0; i < 70; ++i) r.mutable_tokenized()->add_input_ids(5);
+  });
+  add("top_p > 1", "sampling_params.top_p",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_top_p(1.5f); });
+  add("top_p < 0", "sampling_params.top_p",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_top_p(-0.5f); });
+  add("negative temperature", "sampling_params.temperature",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_temperature(-1); });
+  add("negative top_k", "sampling_params.top_k",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_top_k(-2); });
+  add("min_p > 1", "sampling_params.min_p",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_min_p(1.5f); });
+  add("negative repetition_penalty", "sampling_params.repetition_penalty",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_repetition_penalty(-1); });
+  add("unknown stop token", "sampling_params.stop_token_ids",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->add_stop_token_ids(5000); });
+  add("stop strings without tokenizer", "sampling_params.stop",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->add_stop("x"); });
+  add("presence_penalty out of range", "presence_penalty",
+      [](v1::GenerateRequest& r) { r.mutable_sampling_params()->set_presence_penalty(9); });
+  add("negative deadline", "deadline_ms", [](v1::GenerateRequest& r) { r.set_deadline_ms(-5); });
+  for (const Case& c : cases) {
+    absl::Status s = engine->Submit(c.request, [](const v1::GenerateResponse&) {
+      ADD_FAILURE() << "a rejected request got a response";
+    });
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.name << ": " << s;
+    EXPECT_NE(s.message().find(c.field), std::string::npos) << c.name << ": " << s;
+  }
+  // A duplicate live request_id.
+  gate_->Hold();
+  Stream first;
+  ASSERT_TRUE(engine->Submit(Request({1, 2}, 4, "dup"), first.Callback()).ok());
+  ASSERT_TRUE(gate_->WaitParked());
+  absl::Status dup = engine->Submit(Request({1, 2}, 4, "dup"), [](const v1::GenerateResponse&) {});
+  EXPECT_EQ(dup.code(), absl::StatusCode::kInvalidArgument) << dup;
+  EXPECT_NE(dup.message().find("request_id"), std::string::npos) << dup;
+  gate_->Release();
+  EXPECT_TRUE(first.Wait().has_complete());
+  // Once it completed, the id can be used again.
+  Stream again;
+  ASSERT_TRUE(engine->Submit(Request({1, 2}, 4, "dup"), again.Callback()).ok());
+  EXPECT_TRUE(again.Wait().has_complete());
+}
+
+TEST_F(LocalEngineTest, FullQueueIsResourceExhausted) {
+  EngineOptions options = Options(64, 16);
+  options.max_queue = 2;
+  auto engine = Engine(options);
+  gate_->Hold();
+  Stream a, b, c;
+  ASSERT_TRUE(engine->Submit(Request({1}, 3), a.Callback()).ok());
+  ASSERT_TRUE(gate_->WaitParked());  // a runs; b and c wait
+  ASSERT_TRUE(engine->Submit(Request({2}, 3), b.Callback()).ok());
+  ASSERT_TRUE(engine->Submit(Request({3}, 3), c.Callback()).ok());
+  absl::Status full = engine->Submit(Request({4}, 3), [](const v1::GenerateResponse&) {});
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_NE(full.message().find("max_queue"), std::string::npos) << full;
+  EXPECT_EQ(engine->GetServerInfo().num_requests_waiting(), 2u);
+  gate_->Release();
+  EXPECT_TRUE(a.Wait().has_complete());
+  EXPECT_TRUE(b.Wait().has_complete());
+  EXPECT_TRUE(c.Wait().has_complete());
+}
+
+TEST_F(LocalEngineTest, SeededSamplingIsReproducible) {
+  auto engine = Engine(Options(128, 16));
+  auto sample = [&](uint64_t seed) {
+    v1::GenerateRequest r = Request(Prompt(5, 3), 24);
+    r.mutable_sampling_params()->set_temperature(3.0f);
+    r.mutable_sampling_params()->set_top_k(50);
+    r.mutable_sampling_params()->set_seed(seed);
+    r.mutable_sampling_params()->set_logprobs(true);
+    return r;
+  };
+  // The same seed alone and among other traffic.
+  Stream s1, s2, other;
+  ASSERT_TRUE(engine->Submit(sample(42), s1.Callback()).ok());
+  v1::GenerateResponse r1 = s1.Wait();
+  ASSERT_TRUE(engine->Submit(Request(Prompt(30, 9), 30), other.Callback()).ok());
+  ASSERT_TRUE(engine->Submit(sample(42), s2.Callback()).ok());
+  v1::GenerateResponse r2 = s2.Wait();
+  ASSERT_TRUE(r1.has_complete() && r2.has_complete());
+  EXPECT_EQ(Ids(r1.complete()), Ids(r2.complete()));
+  EXPECT_EQ(r1.complete().output_ids_size(), 24);
+  EXPECT_TRUE(other.Wait().has_complete());
+}
+
+TEST_F(LocalEngineTest, ExpiredDeadlineEndsTheRequestWithDeadlineExceeded) {
+  std::atomic<int64_t> now_ns{absl::ToUnixNanos(absl::FromUnixSeconds(1000))};
+  EngineOptions options = Options(64, 16);
+  options.clock = [&now_ns] { return absl::FromUnixNanos(now_ns.load()); };
+  auto engine = Engine(options);
+  gate_->Hold();
+  Stream a, b;
+  ASSERT_TRUE(engine->Submit(Request({1, 2}, 5), a.Callback()).ok());
+  ASSERT_TRUE(gate_->WaitParked());
+  v1::GenerateRequest late = Request({3, 4}, 5);
+  late.set_deadline_ms(1000);
+  ASSERT_TRUE(engine->Submit(late, b.Callback()).ok());
+  now_ns += absl::ToInt64Nanoseconds(absl::Seconds(2));
+  gate_->Release();
+  v1::GenerateResponse rb = b.Wait();
+  ASSERT_TRUE(rb.has_error()) << rb.DebugString();
+  EXPECT_EQ(rb.error().code(), static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_TRUE(a.Wait().has_complete());
+  ASSERT_TRUE(engine->WaitForIdle(absl::Now() + kWait));
+  EXPECT_EQ(engine->GetServerInfo().kv_blocks_free(), 64u);
+}
+
+TEST_F(LocalEngineTest, HealthModelInfoAndShutdown) {
+  auto engine = Engine(Options(64, 16));
+  EXPECT_TRUE(engine->DeepHealthCheck(absl::Now() + kWait).ok());
+  const v1::GetModelInfoResponse info = engine->GetModelInfo();
+  EXPECT_EQ(info.vocab_size(), 1000u);
+  EXPECT_EQ(info.max_context_tokens(), 64u * 16u);
+  EXPECT_EQ(info.num_layers(), 2u);
+  EXPECT_EQ(info.architecture(), "LlamaForCausalLM");
+  // Shutdown while a request runs: it ends with ABORT; later submits fail.
+  gate_->Hold();
+  Stream running;
+  ASSERT_TRUE(engine->Submit(Request({1, 2, 3}, 100), running.Callback()).ok());
+  ASSERT_TRUE(gate_->WaitParked());
+  std::thread stopper([&] { engine->Shutdown(); });
+  gate_->Release();
+  stopper.join();
+  v1::GenerateResponse r = running.Wait();
+  ASSERT_TRUE(r.has_complete());
+  EXPECT_EQ(r.complete().finish_reason(), v1::FINISH_REASON_ABORT);
+  EXPECT_FALSE(engine->ready());
+  EXPECT_EQ(engine->Submit(Request({1}, 1), [](const v1::GenerateResponse&) {}).code(),
+            absl::StatusCode::kUnavailable);
+  engine->Shutdown();  // idempotent
+}
+
+TEST_F(LocalEngineTest, CreateLocalEngineServesTheModelDirectory) {
+  EngineOptions options = Options(64, 16);
+  auto created = CreateLocalEngine(options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Stream s;
+  const std::vector<int32_t> prompt = Prompt(9, 5);
+  ASSERT_TRUE((*created)->Submit(Request(prompt, 12), s.Callback()).ok());
+  v1::GenerateResponse r = s.Wait();
+  ASSERT_TRUE(r.has_complete());
+  EXPECT_EQ(Ids(r.complete()), Alone(prompt, 12));
+  EXPECT_FALSE(r.request_id().empty());
+  options.max_context = 64 * 16 + 1;
+  EXPECT_EQ(CreateLocalEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// An executor whose rank "dies" after a few forwards.
+class DyingExecutor final : public worker::StepExecutor {
+ public:
+  explicit DyingExecutor(int forwards_before_death) : left_(forwards_before_death) {}
+  int64_t vocab_size() const override { return 1000; }
+  absl::Status AddSequence(int64_t) override { return Check(); }
+  absl::Status RemoveSequence(int64_t) override { return Check(); }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows,
+                       std::vector<float>* logits) override {
+    if (left_-- <= 0) dead_ = true;
+    if (dead_) return Check();
+    logits->assign(batch.size() * 1000, 0.0f);
+    for (size_t i = 0; i < batch.size(); ++i) (*logits)[i * 1000 + batch[i].seq_id % 1000] = 10;
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Check() const {
+    return dead_ ? absl::UnavailableError("rank 1 (pid 4242) exited with status 9")
+                 : absl::OkStatus();
+  }
+  int left_;
+  bool dead_ = false;
+};
+
+TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
+  EngineOptions options = Options(64, 16);
+  EngineModel m;
+  m.config = model->transformer->config();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m),
+                                              std::make_unique<DyingExecutor>(5));
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < 8; ++i) {
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(Prompt(4, i), 50), streams.back()->Callback()).ok());
+  }
+  for (auto& s : streams) {
+    v1::GenerateResponse r = s->Wait();
+    ASSERT_TRUE(r.has_error()) << r.DebugString();
+    EXPECT_EQ(r.error().code(), static_cast<int>(absl::StatusCode::kUnavailable));
+    EXPECT_NE(r.error().message().find("rank 1"), std::string::npos) << r.error().message();
+  }
+  EXPECT_FALSE(engine->ready());
+  EXPECT_FALSE(engine->GetServerInfo().ready());
+  EXPECT_EQ(engine->Submit(Request({1}, 1), [](const v1::GenerateResponse&) {}).code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(engine->DeepHealthCheck(absl::Now() + kWait).code(), absl::StatusCode::kUnavailable);
+  engine->Shutdown();
+}
+
+}  // namespace
+}  // namespace exl3serve::coordinator

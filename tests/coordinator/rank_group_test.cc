@@ -1,0 +1,340 @@
+// The coordinator's rank membership end to end: an in-process RemoteRankGroup
+// endpoint on 127.0.0.1 (port 0) and real `exl3serve worker --coordinator`
+// rank processes on a small test model. Ranks register -> ready; Forward
+// logits match the model run in this process; a rank killed with SIGKILL
+// fails the step with UNAVAILABLE within the deadline, tears the group down
+// and leaves no process behind; restarted ranks re-form the group; a protocol
+// version mismatch is refused; a missing rank leaves the group not ready
+// without hanging. Every wait has a deadline; nothing sleeps.
+#include "coordinator/rank_group.h"
+
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "sharding/test_model.h"
+#include "tests/testing/scratch_dir.h"
+#include "worker/model/step_executor.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::coordinator {
+namespace {
+
+using worker::LogitsRows;
+using worker::SequenceTokens;
+
+// Generous bounds for a loaded 2-core CI box; the checks are "within the
+// deadline", not speed.
+constexpr absl::Duration kReadyTimeout = absl::Seconds(90);
+constexpr absl::Duration kStepTimeout = absl::Seconds(20);
+constexpr absl::Duration kExitTimeout = absl::Seconds(30);
+
+// A rank process started by the test. Killed (SIGKILL) and reaped when the
+// test ends, whatever happened; PR_SET_PDEATHSIG also kills it if the test
+// process dies.
+class RankProcess {
+ public:
+  RankProcess(const std::string& address, int rank, std::vector<std::string> extra) {
+    std::vector<std::string> args = {EXL3_EXE, "worker", "--coordinator", address, "--rank",
+                                     absl::StrCat(rank), "--connect-timeout-ms", "30000"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const pid_t parent = getpid();
+    pid_ = fork();
+    if (pid_ == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(127);
+      std::vector<char*> argv;
+      for (std::string& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+  }
+  ~RankProcess() {
+    if (pid_ > 0 && !reaped_) {
+      kill(pid_, SIGKILL);
+      int status = 0;
+      waitpid(pid_, &status, 0);
+    }
+  }
+  RankProcess(const RankProcess&) = delete;
+  RankProcess& operator=(const RankProcess&) = delete;
+
+  pid_t pid() const { return pid_; }
+  void Kill() { kill(pid_, SIGKILL); }
+  // Waits (pidfd poll, bounded) for the process to exit; true when it did.
+  bool WaitExit(absl::Duration timeout, int* status) {
+    if (reaped_) {
+      *status = status_;
+      return true;
+    }
+    const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid_, 0));
+    if (pidfd >= 0) {
+      pollfd p{pidfd, POLLIN, 0};
+      poll(&p, 1, static_cast<int>(absl::ToInt64Milliseconds(timeout)));
+      close(pidfd);
+    }
+    if (waitpid(pid_, &status_, WNOHANG) == pid_) {
+      reaped_ = true;
+      *status = status_;
+      return true;
+    }
+    return false;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  bool reaped_ = false;
+  int status_ = 0;
+};
+
+struct Model {
+  testing::ScratchDir dir;
+  std::string path;
+};
+Model* model = nullptr;
+
+class RankGroupTest : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    model = new Model();
+    sharding::TestModelOptions options;  // llama: hidden 256, 4 heads, 2 kv heads
+    options.seed = 21;
+    model->path = model->dir.File("llama");
+    ASSERT_TRUE(sharding::WriteTestModel(model->path, options).ok());
+  }
+  static void TearDownTestSuite() {
+    delete model;
+    model = nullptr;
+  }
+
+ protected:
+  static RankGroupOptions Options(int world_size) {
+    RankGroupOptions options;
+    options.listen_address = "127.0.0.1:0";
+    options.model_dir = model->path;
+    options.world_size = world_size;
+    options.kv.dtype = worker::KvCacheDtype::kFp32;
+    options.kv.num_pages = 64;
+    options.threads_per_rank = 1;
+    options.join_timeout = absl::Seconds(30);
+    options.collective_timeout = absl::Seconds(10);
+    options.step_timeout = kStepTimeout;
+    options.heartbeat_interval = absl::Milliseconds(200);
+    options.heartbeat_timeout = absl::Seconds(5);
+    return options;
+  }
+  static std::string Address(const RemoteRankGroup& group) {
+    return absl::StrCat("127.0.0.1:", group.port());
+  }
+};
+
+std::vector<int32_t> Prompt(int n, int64_t vocab, uint32_t seed) {
+  std::vector<int32_t> ids(n);
+  uint32_t x = seed;
+  for (int32_t& id : ids) {
+    x = x * 1664525u + 1013904223u;
+    id = static_cast<int32_t>((x >> 8) % vocab);
+  }
+  return ids;
+}
+
+// Logits of every prompt position in sequence `seq`.
+absl::StatusOr<std::vector<float>> PrefillLogits(worker::StepExecutor& executor, int64_t seq,
+                                                 const std::vector<int32_t>& prompt) {
+  absl::Status added = executor.AddSequence(seq);
+  if (!added.ok()) return added;
+  const SequenceTokens entry{seq, prompt};
+  std::vector<float> logits;
+  absl::Status s = executor.Forward({&entry, 1}, LogitsRows::kAllTokens, &logits);
+  if (!s.ok()) return s;
+  s = executor.RemoveSequence(seq);
+  if (!s.ok()) return s;
+  return logits;
+}
+
+std::vector<float> LocalLogits(const std::vector<int32_t>& prompt) {
+  absl::StatusOr<std::unique_ptr<worker::Transformer>> local = worker::Transformer::Load(model->path);
+  EXPECT_TRUE(local.ok()) << local.status();
+  if (!local.ok()) return {};
+  worker::KvCacheOptions kv;
+  kv.dtype = worker::KvCacheDtype::kFp32;
+  kv.num_pages = 64;
+  absl::StatusOr<worker::PagedKvCache> cache = (*local)->CreateKvCache(kv);
+  EXPECT_TRUE(cache.ok());
+  worker::LocalStepExecutor executor(local->get(), std::move(*cache));
+  absl::StatusOr<std::vector<float>> logits = PrefillLogits(executor, 1, prompt);
+  EXPECT_TRUE(logits.ok()) << logits.status();
+  return logits.ok() ? *logits : std::vector<float>();
+}
+
+double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0.0, scale = 0.0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+TEST_F(RankGroupTest, TwoRanksRegisterAndForwardMatchesOneProcess) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  EXPECT_FALSE((*group)->ready());
+  RankProcess r0(Address(**group), 0, {"--world-size", "2"});
+  RankProcess r1(Address(**group), 1, {});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  EXPECT_EQ((*group)->generation(), 1u);
+  EXPECT_EQ((*group)->vocab_size(), 1000);
+  const RankGroupStatus status = (*group)->status();
+  ASSERT_EQ(status.ranks.size(), 2u);
+  for (const RankSlotInfo& info : status.ranks) {
+    EXPECT_TRUE(info.up);
+    EXPECT_TRUE(info.loaded);
+    EXPECT_NE(info.address.find("pid"), std::string::npos) << info.address;
+    EXPECT_LT(info.last_heartbeat_age, absl::Seconds(5));
+  }
+
+  const std::vector<int32_t> prompt = Prompt(17, 1000, 5);
+  const std::vector<float> reference = LocalLogits(prompt);
+  absl::StatusOr<std::vector<float>> remote = PrefillLogits(**group, 3, prompt);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_EQ(remote->size(), reference.size());
+  const double error = RelativeError(*remote, reference);
+  EXPECT_LE(error, 1e-4);
+  std::printf("2 remote ranks vs one process: relative logits error %.3g\n", error);
+
+  // A rank's own error comes back with its rank named; the group stays up.
+  const absl::Status missing = (*group)->RemoveSequence(12345);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound) << missing;
+  EXPECT_NE(missing.message().find("rank 0"), std::string::npos) << missing;
+  EXPECT_TRUE((*group)->ready());
+
+  // Shutting the group down ends both rank processes cleanly.
+  (*group)->Shutdown("test over");
+  int s0 = 0, s1 = 0;
+  ASSERT_TRUE(r0.WaitExit(kExitTimeout, &s0));
+  ASSERT_TRUE(r1.WaitExit(kExitTimeout, &s1));
+  EXPECT_TRUE(WIFEXITED(s0) && WEXITSTATUS(s0) == 0) << s0;
+  EXPECT_TRUE(WIFEXITED(s1) && WEXITSTATUS(s1) == 0) << s1;
+}
+
+TEST_F(RankGroupTest, KilledRankFailsTheStepAndTearsTheGroupDown) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {});
+  RankProcess r1(Address(**group), 1, {});
+  ASSERT_TRUE((*group)->WaitReady(absl::Now() + kReadyTimeout).ok());
+  ASSERT_TRUE((*group)->AddSequence(1).ok());
+  r1.Kill();
+  const std::vector<int32_t> prompt = Prompt(9, 1000, 7);
+  const SequenceTokens entry{1, prompt};
+  std::vector<float> logits;
+  const absl::Time start = absl::Now();
+  absl::Status status = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  // The kill may land before or during the step: either it fails, or (rank 1
+  // answered just before dying) the next one does.
+  if (status.ok()) status = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
+  EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status;
+  EXPECT_LT(took, 2 * kStepTimeout + absl::Seconds(2));
+  std::printf("step with a killed rank: %s after %s\n", status.ToString().c_str(),
+              absl::FormatDuration(took).c_str());
+  EXPECT_FALSE((*group)->ready());
+  EXPECT_EQ((*group)->AddSequence(2).code(), absl::StatusCode::kUnavailable);
+  // The surviving rank was told to shut down and exits by itself.
+  int s0 = 0, s1 = 0;
+  EXPECT_TRUE(r0.WaitExit(kExitTimeout, &s0)) << "rank 0 survived the teardown";
+  EXPECT_TRUE(r1.WaitExit(kExitTimeout, &s1));
+  EXPECT_EQ(kill(r0.pid(), 0), -1);
+}
+
+TEST_F(RankGroupTest, GroupReformsAfterARankRestarts) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto r0 = std::make_unique<RankProcess>(Address(**group), 0,
+                                          std::vector<std::string>{"--reconnect"});
+  auto r1 = std::make_unique<RankProcess>(Address(**group), 1,
+                                          std::vector<std::string>{"--reconnect"});
+  ASSERT_TRUE((*group)->WaitReady(absl::Now() + kReadyTimeout).ok());
+  const uint64_t first = (*group)->generation();
+  const std::vector<int32_t> prompt = Prompt(11, 1000, 9);
+  absl::StatusOr<std::vector<float>> before = PrefillLogits(**group, 4, prompt);
+  ASSERT_TRUE(before.ok()) << before.status();
+
+  ASSERT_TRUE((*group)->AddSequence(5).ok());
+  r1->Kill();
+  int s1 = 0;
+  ASSERT_TRUE(r1->WaitExit(kExitTimeout, &s1));
+  const SequenceTokens entry{5, prompt};
+  std::vector<float> logits;
+  const absl::Status failed = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kUnavailable) << failed;
+
+  // Restart rank 1; rank 0 re-registers by itself (--reconnect).
+  r1 = std::make_unique<RankProcess>(Address(**group), 1, std::vector<std::string>{"--reconnect"});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  EXPECT_GT((*group)->generation(), first);
+  // The new group has empty caches: sequence 5 is gone, and it computes the
+  // same logits as the first group.
+  EXPECT_EQ((*group)->RemoveSequence(5).code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<std::vector<float>> after = PrefillLogits(**group, 4, prompt);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(*after, *before);
+}
+
+TEST_F(RankGroupTest, ProtocolVersionMismatchIsRefused) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(1));
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess old_rank(Address(**group), 0, {"--protocol-version-for-testing", "99"});
+  int status = 0;
+  ASSERT_TRUE(old_rank.WaitExit(kExitTimeout, &status));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_FALSE((*group)->ready());
+  EXPECT_EQ((*group)->generation(), 0u);
+  // A rank expecting another world size is refused too.
+  RankProcess wrong_size(Address(**group), 0, {"--world-size", "3"});
+  ASSERT_TRUE(wrong_size.WaitExit(kExitTimeout, &status));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_EQ((*group)->generation(), 0u);
+}
+
+TEST_F(RankGroupTest, MissingRankLeavesTheGroupNotReadyWithoutHanging) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {});
+  const absl::Time start = absl::Now();
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + absl::Seconds(3));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_EQ(ready.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(ready.message().find("1 of 2 ranks registered"), std::string::npos) << ready;
+  std::vector<float> logits;
+  EXPECT_EQ((*group)->AddSequence(1).code(), absl::StatusCode::kUnavailable);
+  const RankGroupStatus status = (*group)->status();
+  EXPECT_EQ(status.state, GroupState::kForming);
+  EXPECT_TRUE(status.ranks[0].up);
+  EXPECT_FALSE(status.ranks[1].up);
+  // Destroying the group with a rank still waiting ends that rank too.
+  group->reset();
+  int s0 = 0;
+  EXPECT_TRUE(r0.WaitExit(kExitTimeout, &s0));
+}
+
+}  // namespace
+}  // namespace exl3serve::coordinator

@@ -1,0 +1,415 @@
+#include "worker/rank/rank_client.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/logging.h"
+#include "exl3serve/rank/v1/rank.grpc.pb.h"
+#include "grpcpp/grpcpp.h"
+#include "kernels/cpu/thread_pool.h"
+#include "worker/model/kv_cache.h"
+#include "worker/rank/rank_executor.h"
+
+namespace exl3serve::worker::rank {
+namespace {
+
+namespace pb = ::exl3serve::rank::v1;
+
+static_assert(kRankProtocolVersion == pb::RANK_PROTOCOL_CURRENT,
+              "rank_client.h and rank.proto disagree on the protocol version");
+
+// Pause before registering again after a refusal or a lost coordinator: a
+// restarted rank's slot frees as soon as the coordinator sees the old stream
+// end, which is within a round trip on a LAN.
+constexpr absl::Duration kRetryBackoff = absl::Milliseconds(200);
+
+std::string HostName() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "unknown-host";
+  return host;
+}
+
+void SetStatus(const absl::Status& status, pb::RankStatus* out) {
+  out->set_code(static_cast<int32_t>(status.code()));
+  out->set_message(std::string(status.message()));
+}
+
+absl::StatusOr<KvCacheDtype> KvDtype(int bits) {
+  if (bits == 0) return KvCacheDtype::kFp16;
+  return KvCacheDtypeFromBits(bits);
+}
+
+enum class EndKind { kShutdown, kCoordinatorGone, kLostPeers, kRefused, kLoadFailed };
+
+struct SessionEnd {
+  EndKind kind = EndKind::kCoordinatorGone;
+  absl::Status status;  // the error, or the shutdown reason as an OK-kind note
+  std::string reason;
+};
+
+// One stream to the coordinator, from Register to its end.
+// Threads: the calling thread reads the stream; a heartbeat thread and a
+// step thread (after Setup) write to it under write_mu_.
+class Session {
+ public:
+  Session(const RankClientOptions& options, pb::RankControl::Stub* stub)
+      : options_(options), stub_(stub) {}
+
+  SessionEnd Run() {
+    stream_ = stub_->Connect(&context_);
+    pb::RankMessage hello;
+    pb::Register* reg = hello.mutable_register_();
+    reg->set_protocol_version(options_.protocol_version);
+    reg->set_rank(options_.rank);
+    reg->set_world_size(options_.world_size);
+    reg->set_host(HostName());
+    reg->set_pid(getpid());
+    reg->set_model_dir(options_.model_dir);
+    reg->set_binary_version("exl3serve 0.1.0");
+    std::optional<SessionEnd> end;
+    if (Write(hello)) {
+      std::thread heartbeat([this] { HeartbeatLoop(); });
+      pb::CoordinatorMessage message;
+      while (!end.has_value() && stream_->Read(&message)) {
+        switch (message.kind_case()) {
+          case pb::CoordinatorMessage::kSetup:
+            end = OnSetup(message.setup());
+            break;
+          case pb::CoordinatorMessage::kStep: {
+            absl::MutexLock lock(&mu_);
+            steps_.push_back(std::move(*message.mutable_step()));
+            break;
+          }
+          case pb::CoordinatorMessage::kShutdown:
+            end = SessionEnd{EndKind::kShutdown, absl::OkStatus(), message.shutdown().reason()};
+            break;
+          default:
+            EXL3_LOG(kWarning) << "rank " << options_.rank
+                               << ": ignoring an unknown coordinator message";
+        }
+      }
+      // After Read returned false the stream is over: no cancel, so that
+      // Finish() reports the coordinator's own status (e.g. a refusal).
+      Stop(/*cancel_stream=*/end.has_value());
+      heartbeat.join();
+    } else {
+      Stop(/*cancel_stream=*/false);
+    }
+    if (step_thread_.joinable()) step_thread_.join();
+    const grpc::Status finished = stream_->Finish();
+    if (end.has_value()) return *end;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!lost_peers_.ok()) return SessionEnd{EndKind::kLostPeers, lost_peers_, ""};
+      if (!load_error_.ok()) return SessionEnd{EndKind::kLoadFailed, load_error_, ""};
+    }
+    const absl::Status status(static_cast<absl::StatusCode>(finished.error_code()),
+                              finished.error_message());
+    switch (finished.error_code()) {
+      case grpc::StatusCode::FAILED_PRECONDITION:
+      case grpc::StatusCode::INVALID_ARGUMENT:
+      case grpc::StatusCode::ALREADY_EXISTS:
+        return SessionEnd{EndKind::kRefused, status, ""};
+      default:
+        return SessionEnd{EndKind::kCoordinatorGone, status, ""};
+    }
+  }
+
+ private:
+  bool Write(const pb::RankMessage& message) {
+    absl::MutexLock lock(&write_mu_);
+    return stream_->Write(message);
+  }
+
+  // Ends the session from any thread: wakes the step and heartbeat threads,
+  // aborts the communicator (a step stuck in a collective returns at once)
+  // and, with cancel_stream, cancels the stream (the reader's Read returns
+  // false).
+  void Stop(bool cancel_stream = true) {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    if (comm_ != nullptr) comm_->Abort(absl::AbortedError("the rank is leaving its group"));
+    if (cancel_stream) context_.TryCancel();
+  }
+
+  std::optional<SessionEnd> OnSetup(const pb::Setup& setup) {
+    if (setup.protocol_version() != kRankProtocolVersion) {
+      const absl::Status refused = absl::FailedPreconditionError(absl::StrCat(
+          "the coordinator speaks rank protocol version ", setup.protocol_version(),
+          ", this rank speaks ", kRankProtocolVersion,
+          " (run the same exl3serve release on the coordinator and every rank)"));
+      return SessionEnd{EndKind::kRefused, refused, ""};
+    }
+    if (step_thread_.joinable()) {
+      EXL3_LOG(kWarning) << "rank " << options_.rank << ": ignoring a second Setup";
+      return std::nullopt;
+    }
+    RankSetup rank_setup;
+    rank_setup.model_dir = setup.model_dir();
+    rank_setup.rank = options_.rank;
+    rank_setup.world_size = setup.world_size();
+    rank_setup.expert_parallel = setup.expert_parallel();
+    rank_setup.comm.backend = setup.comm().backend();
+    rank_setup.comm.shm_name = setup.comm().shm_name();
+    rank_setup.comm.bootstrap_address = setup.comm().bootstrap_address();
+    rank_setup.comm.ucx_tls = setup.comm().ucx_tls();
+    absl::StatusOr<KvCacheDtype> dtype = KvDtype(setup.kv().dtype_bits());
+    if (!dtype.ok()) return SessionEnd{EndKind::kRefused, dtype.status(), ""};
+    rank_setup.kv.dtype = *dtype;
+    if (setup.kv().num_pages() > 0) rank_setup.kv.num_pages = setup.kv().num_pages();
+    if (setup.kv().page_size_tokens() > 0) {
+      rank_setup.kv.page_size_tokens = setup.kv().page_size_tokens();
+    }
+    if (setup.join_timeout_ms() > 0) {
+      rank_setup.join_timeout = absl::Milliseconds(setup.join_timeout_ms());
+    }
+    if (setup.collective_timeout_ms() > 0) {
+      rank_setup.collective_timeout = absl::Milliseconds(setup.collective_timeout_ms());
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (setup.heartbeat_interval_ms() > 0) {
+        heartbeat_interval_ = absl::Milliseconds(setup.heartbeat_interval_ms());
+      }
+    }
+    const int threads = setup.threads() > 0 ? setup.threads() : options_.threads;
+    if (threads >= 1) kernels::cpu::SetSharedThreadPoolSize(threads);
+    EXL3_LOG(kInfo) << "rank " << options_.rank << "/" << setup.world_size()
+                    << ": group generation " << setup.group_generation() << ", loading "
+                    << setup.model_dir();
+    step_thread_ = std::thread([this, rank_setup] { StepLoop(rank_setup); });
+    return std::nullopt;
+  }
+
+  void HeartbeatLoop() {
+    uint64_t sequence = 0;
+    while (true) {
+      pb::RankMessage message;
+      {
+        absl::MutexLock lock(&mu_);
+        const absl::Time next = absl::Now() + heartbeat_interval_;
+        // A timed wait on the stop flag, not a sleep: Stop() ends it at once.
+        mu_.AwaitWithDeadline(absl::Condition(&stopping_), next);
+        if (stopping_) return;
+        pb::Heartbeat* beat = message.mutable_heartbeat();
+        beat->set_sequence(++sequence);
+        beat->set_steps_done(steps_done_);
+        SetStatus(comm_ != nullptr ? comm_->health() : absl::OkStatus(),
+                  beat->mutable_comm_health());
+      }
+      if (!Write(message)) return;
+    }
+  }
+
+  bool StepReady() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stopping_ || !steps_.empty();
+  }
+
+  void StepLoop(const RankSetup& setup) {
+    absl::StatusOr<LoadedRank> loaded = LoadRank(setup);
+    {
+      absl::MutexLock lock(&mu_);
+      if (loaded.ok()) {
+        comm_ = loaded->comm.get();
+        if (stopping_) comm_->Abort(absl::AbortedError("the rank is leaving its group"));
+      } else {
+        load_error_ = loaded.status();
+      }
+    }
+    pb::RankMessage ready_message;
+    pb::Ready* ready = ready_message.mutable_ready();
+    SetStatus(loaded.status(), ready->mutable_status());
+    if (loaded.ok()) {
+      ready->set_bytes_read(loaded->bytes_read);
+      ready->set_planned_bytes(loaded->planned_bytes);
+      ready->set_vocab_size(loaded->model->vocab_size());
+      ready->set_comm_backend(loaded->comm->backend_name());
+      EXL3_LOG(kInfo) << "rank " << setup.rank << "/" << setup.world_size << " ready ("
+                      << loaded->comm->backend_name() << ", " << loaded->bytes_read
+                      << " checkpoint bytes read)";
+    } else {
+      EXL3_LOG(kError) << "rank " << setup.rank << ": loading failed: " << loaded.status();
+    }
+    const bool sent = Write(ready_message);
+    if (loaded.ok() && sent) Steps(*loaded);
+    if (loaded.ok()) {
+      absl::MutexLock lock(&mu_);
+      comm_ = nullptr;
+    }
+  }
+
+  void Steps(LoadedRank& loaded) {
+    while (true) {
+      pb::Step step;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(this, &Session::StepReady));
+        if (stopping_) return;
+        step = std::move(steps_.front());
+        steps_.pop_front();
+      }
+      const absl::Time start = absl::Now();
+      pb::RankMessage message;
+      pb::StepResult* result = message.mutable_step_result();
+      result->set_step_id(step.step_id());
+      RankCommand command;
+      absl::Status status;
+      std::vector<float> logits;
+      switch (step.op_case()) {
+        case pb::Step::kAddSequence:
+          command.op = RankCommand::Op::kAddSequence;
+          command.seq_id = step.add_sequence().seq_id();
+          break;
+        case pb::Step::kRemoveSequence:
+          command.op = RankCommand::Op::kRemoveSequence;
+          command.seq_id = step.remove_sequence().seq_id();
+          break;
+        case pb::Step::kForward: {
+          command.op = RankCommand::Op::kForward;
+          const pb::ForwardBatch& forward = step.forward();
+          if (forward.rows() == pb::LOGITS_ROWS_LAST_TOKEN) {
+            command.rows = LogitsRows::kLastToken;
+          } else if (forward.rows() == pb::LOGITS_ROWS_ALL_TOKENS) {
+            command.rows = LogitsRows::kAllTokens;
+          } else {
+            status = absl::InvalidArgumentError(
+                absl::StrCat("step ", step.step_id(), ": forward rows must be set"));
+          }
+          for (const pb::SequenceTokens& seq : forward.sequences()) {
+            command.batch_seq_ids.push_back(seq.seq_id());
+            command.batch_tokens.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
+          }
+          break;
+        }
+        default:
+          status = absl::InvalidArgumentError(
+              absl::StrCat("step ", step.step_id(), ": no operation set"));
+      }
+      absl::Duration forward_time;
+      if (status.ok()) {
+        const absl::Time forward_start = absl::Now();
+        status = ExecuteRankCommand(loaded, command, &logits);
+        forward_time = absl::Now() - forward_start;
+      }
+      SetStatus(status, result->mutable_status());
+      if (status.ok() && loaded.rank == 0 && command.op == RankCommand::Op::kForward) {
+        result->mutable_logits()->Assign(logits.begin(), logits.end());
+      }
+      result->set_forward_ns(absl::ToInt64Nanoseconds(forward_time));
+      result->set_total_ns(absl::ToInt64Nanoseconds(absl::Now() - start));
+      {
+        absl::MutexLock lock(&mu_);
+        ++steps_done_;
+      }
+      const bool sent = Write(message);
+      if (absl::Status health = loaded.comm->health(); !health.ok()) {
+        bool stopping;
+        {
+          absl::MutexLock lock(&mu_);
+          stopping = stopping_;
+          if (!stopping) lost_peers_ = health;
+        }
+        if (!stopping) {
+          EXL3_LOG(kError) << "rank " << loaded.rank << ": lost its peers: " << health;
+          Stop();
+        }
+        return;
+      }
+      if (!sent) return;
+    }
+  }
+
+  const RankClientOptions& options_;
+  pb::RankControl::Stub* const stub_;  // borrowed; outlives the session
+  grpc::ClientContext context_;        // TryCancel is thread-safe
+  std::unique_ptr<grpc::ClientReaderWriter<pb::RankMessage, pb::CoordinatorMessage>> stream_;
+  std::thread step_thread_;  // started by the reader thread on Setup, joined by Run
+
+  absl::Mutex write_mu_;  // one writer at a time on the stream
+
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<pb::Step> steps_ ABSL_GUARDED_BY(mu_);
+  uint64_t steps_done_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
+  comm::Communicator* comm_ ABSL_GUARDED_BY(mu_) = nullptr;  // the step thread's, while loaded
+  absl::Status lost_peers_ ABSL_GUARDED_BY(mu_);
+  absl::Status load_error_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::Status RunRankClient(const RankClientOptions& options) {
+  if (options.coordinator_address.empty()) {
+    return absl::InvalidArgumentError("worker: --coordinator HOST:PORT is empty");
+  }
+  if (options.rank < 0 || (options.world_size > 0 && options.rank >= options.world_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("worker: --rank must be in [0, world size), got ",
+                                                   options.rank));
+  }
+  grpc::ChannelArguments args;
+  // Notice a coordinator box that vanished without closing the connection.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10'000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 10'000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, -1);
+  args.SetInt(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, -1);
+  // Reconnect quickly after the coordinator restarts.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      options.coordinator_address, grpc::InsecureChannelCredentials(), args);
+  std::unique_ptr<pb::RankControl::Stub> stub = pb::RankControl::NewStub(channel);
+  const std::string me = absl::StrCat("rank ", options.rank);
+  while (true) {
+    const absl::Time give_up = absl::Now() + options.connect_timeout;
+    if (!channel->WaitForConnected(absl::ToChronoTime(give_up))) {
+      return absl::UnavailableError(absl::StrCat(
+          me, ": coordinator ", options.coordinator_address, " not reachable within ",
+          absl::FormatDuration(options.connect_timeout), " (--connect-timeout-ms)"));
+    }
+    Session session(options, stub.get());
+    const SessionEnd end = session.Run();
+    switch (end.kind) {
+      case EndKind::kShutdown:
+        EXL3_LOG(kInfo) << me << ": the coordinator shut the group down: " << end.reason;
+        if (!options.reconnect) return absl::OkStatus();
+        break;
+      case EndKind::kCoordinatorGone:
+        EXL3_LOG(kWarning) << me << ": the coordinator went away (" << end.status << ")";
+        if (!options.reconnect) return absl::OkStatus();
+        break;
+      case EndKind::kLostPeers:
+        if (!options.reconnect) {
+          return absl::UnavailableError(absl::StrCat(me, ": lost its peers: ", end.status.message()));
+        }
+        break;
+      case EndKind::kLoadFailed:
+        if (!options.reconnect) {
+          return absl::Status(end.status.code(), absl::StrCat(me, ": ", end.status.message()));
+        }
+        break;
+      case EndKind::kRefused:
+        if (!options.reconnect || end.status.code() != absl::StatusCode::kAlreadyExists) {
+          return absl::Status(end.status.code(),
+                              absl::StrCat(me, ": registration refused: ", end.status.message()));
+        }
+        break;
+    }
+    EXL3_LOG(kInfo) << me << ": registering again with " << options.coordinator_address;
+    absl::SleepFor(kRetryBackoff);  // a retry pause, not synchronisation
+  }
+}
+
+}  // namespace exl3serve::worker::rank

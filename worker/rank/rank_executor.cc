@@ -1,0 +1,66 @@
+#include "worker/rank/rank_executor.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
+#include "sharding/exl3_model.h"
+#include "sharding/shard_plan.h"
+
+namespace exl3serve::worker::rank {
+
+absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
+  LoadedRank loaded;
+  loaded.rank = setup.rank;
+  EXL3_ASSIGN_OR_RETURN(loaded.comm,
+                        comm::CreateCommunicator(setup.comm, setup.rank, setup.world_size,
+                                                 absl::Now() + setup.join_timeout));
+  EXL3_ASSIGN_OR_RETURN(std::unique_ptr<sharding::Exl3Model> checkpoint,
+                        sharding::Exl3Model::Open(setup.model_dir));
+  if (!checkpoint->arch().has_value()) {
+    return absl::UnimplementedError(
+        absl::StrCat(setup.model_dir, ": unsupported architecture for tensor parallelism"));
+  }
+  sharding::ShardOptions shard_options;
+  shard_options.expert_parallel = setup.expert_parallel;
+  EXL3_ASSIGN_OR_RETURN(sharding::ShardPlan plan,
+                        sharding::PlanShards(*checkpoint->arch(),
+                                             sharding::WorldSpec::Uniform(setup.world_size),
+                                             shard_options, checkpoint.get()));
+  TensorParallelism tp;
+  tp.shard = plan.ranks[setup.rank];
+  tp.comm = loaded.comm.get();
+  tp.collective_timeout = setup.collective_timeout;
+  loaded.planned_bytes = tp.shard.weight_bytes;
+  EXL3_ASSIGN_OR_RETURN(loaded.model, Transformer::LoadShard(setup.model_dir, tp));
+  loaded.bytes_read = loaded.model->bytes_read();
+  EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, loaded.model->CreateKvCache(setup.kv));
+  loaded.cache.emplace(std::move(cache));
+  EXL3_RETURN_IF_ERROR(loaded.comm->Barrier(absl::Now() + setup.join_timeout));
+  return loaded;
+}
+
+absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
+                                std::vector<float>* logits) {
+  switch (command.op) {
+    case RankCommand::Op::kAddSequence:
+      return rank.cache->AddSequence(command.seq_id);
+    case RankCommand::Op::kRemoveSequence:
+      return rank.cache->RemoveSequence(command.seq_id);
+    case RankCommand::Op::kForward: {
+      if (command.batch_seq_ids.size() != command.batch_tokens.size()) {
+        return absl::InvalidArgumentError("forward: sequence ids and token lists differ in count");
+      }
+      std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
+      for (size_t i = 0; i < batch.size(); ++i) {
+        batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
+      }
+      std::vector<float> scratch;
+      return rank.model->Forward(batch, command.rows, &*rank.cache, logits ? logits : &scratch);
+    }
+  }
+  return absl::InvalidArgumentError("unknown rank command");
+}
+
+}  // namespace exl3serve::worker::rank

@@ -1,0 +1,78 @@
+// worker/rank/rank_executor.h — what one rank does, whatever drives it: join
+// the group's communicator, plan and load its shard (LoadRank), then execute
+// commands on it (ExecuteRankCommand). Shared by both control transports: the
+// socketpair of a local driver (rank_server.h) and the coordinator's gRPC
+// stream (rank_client.h).
+//
+//   EXL3_ASSIGN_OR_RETURN(LoadedRank rank, LoadRank(setup));
+//   RankCommand forward;  forward.op = RankCommand::Op::kForward;  ...
+//   EXL3_RETURN_IF_ERROR(ExecuteRankCommand(rank, forward, &logits));
+#ifndef EXL3SERVE_WORKER_RANK_RANK_EXECUTOR_H_
+#define EXL3SERVE_WORKER_RANK_RANK_EXECUTOR_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "worker/comm/comm_factory.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/kv_cache.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve::worker::rank {
+
+// Everything a rank needs to join its group and load.
+struct RankSetup {
+  std::string model_dir;
+  int rank = 0;
+  int world_size = 1;
+  int expert_parallel = 0;  // sharding::ShardOptions::expert_parallel
+  comm::CommSpec comm;
+  KvCacheOptions kv;
+  absl::Duration join_timeout = absl::Seconds(60);
+  absl::Duration collective_timeout = absl::Seconds(60);
+};
+
+// A rank that has joined its group and loaded its shard.
+// Ownership: owns its communicator, model and cache. Thread safety: confined
+// to the rank's step thread, except comm->Abort() (any thread).
+struct LoadedRank {
+  int rank = 0;
+  std::unique_ptr<comm::Communicator> comm;
+  std::unique_ptr<Transformer> model;
+  std::optional<PagedKvCache> cache;
+  uint64_t bytes_read = 0;
+  uint64_t planned_bytes = 0;
+};
+
+// Joins the communicator by setup.join_timeout, plans the shards, loads this
+// rank's slices and creates the KV cache, then waits at a barrier until every
+// rank has loaded (a rank that fails to load fails the others' barrier instead
+// of leaving them waiting at the first step).
+// Errors: those of the communicator, the checkpoint and the planner;
+// Unimplemented for an architecture without tensor parallelism.
+absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup);
+
+// One command of a driver, transport-neutral.
+struct RankCommand {
+  enum class Op { kAddSequence, kRemoveSequence, kForward };
+  Op op = Op::kForward;
+  int64_t seq_id = 0;                  // kAddSequence, kRemoveSequence
+  std::vector<int64_t> batch_seq_ids;  // kForward: the batch, in order
+  std::vector<std::vector<int32_t>> batch_tokens;
+  LogitsRows rows = LogitsRows::kLastToken;
+};
+
+// Executes `command` on `rank`. For kForward, *logits gets the logits (every
+// rank computes them). Errors: the cache's (AlreadyExists, NotFound) and the
+// forward's (a collective failure when peers are lost).
+absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
+                                std::vector<float>* logits);
+
+}  // namespace exl3serve::worker::rank
+
+#endif  // EXL3SERVE_WORKER_RANK_RANK_EXECUTOR_H_
