@@ -1,24 +1,39 @@
 // `exl3serve coordinator --config FILE`: the cluster's coordinator. Runs the
 // rank endpoint (coordinator/rank_group.h) where `exl3serve worker
-// --coordinator HOST:PORT --rank R` processes on any box register, and
-// reports the group's readiness and every re-formation.
+// --coordinator HOST:PORT --rank R` processes on any box register, the
+// serving engine (coordinator/local_engine.h: scheduler, KV block tables,
+// tokenizer) over that RemoteRankGroup, and the public gRPC API
+// (exl3serve.v1.Generation + grpc.health.v1.Health) on `api_address`.
+//
+// Prints "listening on HOST:PORT" once the public port is bound (port 0
+// picks one), "coordinator: waiting for N ranks on port P ..." for the rank
+// endpoint, then "serving MODEL on HOST:PORT (world_size=N)" the first time
+// the group is ready, and a line at every later change ("coordinator: ready
+// (group generation G ...)" / "coordinator: not ready (...)"). Health is
+// SERVING only while the group is ready. When a rank dies, in-flight
+// requests wait up to timeouts.reform_ms for the group to re-form and are
+// then replayed; past it they end with UNAVAILABLE, the coordinator keeps
+// running and is ready again once the ranks are back.
+// SIGINT/SIGTERM: NOT_SERVING, streams get shutdown_grace_ms, the ranks get
+// Shutdown, exit 0. Example: deploy/cluster/local-2-ranks.yaml.
 //
 // The config (YAML; every key optional except model_dir and world_size; an
 // unknown key is an error naming it):
 //   model_dir: /models/llama-exl3      # as the ranks see it
+//   local_model_dir: ""                # where this process reads config.json and
+//                                      # tokenizer.json ("" = model_dir)
 //   world_size: 2
 //   expert_parallel: 0
 //   listen_address: 0.0.0.0:50061      # for ranks
+//   api_address: 0.0.0.0:50051         # the public gRPC API (port 0 = any)
+//   shutdown_grace_ms: 5000            # on SIGINT/SIGTERM, for streams in flight
 //   threads_per_rank: 0                # 0 = each rank's --threads
 //   comm: {backend: shm|ucx, shm_name: "", bootstrap_address: "host:port", ucx_tls: tcp}
 //   kv: {bits: 16, num_pages: 256, page_size_tokens: 16}
+//   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
+//            default_max_tokens: 256, max_context: 0}
 //   timeouts: {join_ms: 60000, collective_ms: 60000, load_ms: 300000, step_ms: 60000,
 //              heartbeat_interval_ms: 1000, heartbeat_ms: 5000, reform_ms: 60000}
-//
-// TODO(issue 6): once coordinator/local_engine.h offers an engine constructor
-// that takes an injected worker::StepExecutor, plug the RemoteRankGroup into
-// it and serve exl3serve.v1.Generation (coordinator/generation_service.h) on
-// a public `api_address`; until then this command runs the rank group only.
 #include <signal.h>
 
 #include <cstdio>
@@ -31,12 +46,18 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cli/commands.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
+#include "coordinator/grpc_server.h"
+#include "coordinator/local_engine.h"
+#include "coordinator/metrics.h"
 #include "coordinator/rank_group.h"
 #include "yaml-cpp/yaml.h"
 
 namespace exl3serve::cli {
 namespace {
+
+namespace v1 = ::exl3serve::v1;
 
 // Rejects keys of `node` outside `known`, naming the path.
 absl::Status CheckKeys(const YAML::Node& node, const std::string& path,
@@ -81,17 +102,49 @@ absl::Status ReadMs(const YAML::Node& parent, const std::string& key, absl::Dura
   return absl::OkStatus();
 }
 
-absl::StatusOr<coordinator::RankGroupOptions> LoadConfig(const std::string& file) {
+// What the config file sets: the rank group, the engine and the public API.
+struct CoordinatorConfig {
+  coordinator::RankGroupOptions group;
+  coordinator::EngineOptions engine;
+  coordinator::GrpcServerOptions server;
+  int64_t shutdown_grace_ms = 5000;
+};
+
+// "host:port", "[v6]:port" -> host, port (0..65535); errors name `key`.
+absl::Status ParseAddress(const std::string& key, const std::string& address, std::string* host,
+                          int* port) {
+  const size_t colon = address.rfind(':');
+  auto bad = [&] {
+    return absl::InvalidArgumentError(absl::StrCat("config key `", key,
+                                                   "` must be HOST:PORT, got \"", address, "\""));
+  };
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) return bad();
+  std::string h = address.substr(0, colon);
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  int p = 0;
+  for (char c : address.substr(colon + 1)) {
+    if (c < '0' || c > '9' || p > 65535) return bad();
+    p = p * 10 + (c - '0');
+  }
+  if (p > 65535 || h.empty()) return bad();
+  *host = h;
+  *port = p;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
   YAML::Node root;
   try {
     root = YAML::LoadFile(file);
   } catch (const YAML::Exception& e) {
     return absl::InvalidArgumentError(absl::StrCat(file, ": ", e.what()));
   }
-  coordinator::RankGroupOptions o;
+  CoordinatorConfig config;
+  coordinator::RankGroupOptions& o = config.group;
   EXL3_RETURN_IF_ERROR(CheckKeys(root, "",
-                                 {"model_dir", "world_size", "expert_parallel", "listen_address",
-                                  "threads_per_rank", "comm", "kv", "timeouts"}));
+                                 {"model_dir", "local_model_dir", "world_size", "expert_parallel",
+                                  "listen_address", "api_address", "shutdown_grace_ms",
+                                  "threads_per_rank", "comm", "kv", "engine", "timeouts"}));
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
   EXL3_RETURN_IF_ERROR(Read(root, "", "expert_parallel", &o.expert_parallel));
@@ -140,7 +193,63 @@ absl::StatusOr<coordinator::RankGroupOptions> LoadConfig(const std::string& file
     EXL3_RETURN_IF_ERROR(ReadMs(t, "heartbeat_ms", &o.heartbeat_timeout));
     EXL3_RETURN_IF_ERROR(ReadMs(t, "reform_ms", &o.reform_timeout));
   }
-  return o;
+
+  // The engine over the group, and the public API.
+  coordinator::EngineOptions& e = config.engine;
+  e.model_dir = o.model_dir;
+  EXL3_RETURN_IF_ERROR(Read(root, "", "local_model_dir", &e.model_dir));
+  if (e.model_dir.empty()) e.model_dir = o.model_dir;
+  e.tensor_parallel = o.world_size;
+  e.expert_parallel = o.expert_parallel;
+  e.threads_per_rank = o.threads_per_rank;
+  e.kv = o.kv;
+  e.rank_step_timeout = o.step_timeout;
+  e.reform_timeout = o.reform_timeout;
+  if (const YAML::Node en = root["engine"]; en.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(CheckKeys(en, "engine",
+                                   {"max_running", "max_queue", "step_token_budget",
+                                    "default_max_tokens", "max_context"}));
+    struct Field {
+      const char* key;
+      int64_t* value;
+      int64_t min;
+    };
+    for (const Field& f : {Field{"max_running", &e.max_running, 1},
+                           Field{"max_queue", &e.max_queue, 1},
+                           Field{"step_token_budget", &e.step_token_budget, 1},
+                           Field{"default_max_tokens", &e.default_max_tokens, 1},
+                           Field{"max_context", &e.max_context, 0}}) {
+      EXL3_RETURN_IF_ERROR(Read(en, "engine", f.key, f.value));
+      if (*f.value < f.min) {
+        return absl::InvalidArgumentError(absl::StrCat("config key `engine.", f.key,
+                                                       "` must be >= ", f.min, ", got ", *f.value));
+      }
+    }
+  }
+  std::string api_address = "0.0.0.0:50051";
+  EXL3_RETURN_IF_ERROR(Read(root, "", "api_address", &api_address));
+  EXL3_RETURN_IF_ERROR(
+      ParseAddress("api_address", api_address, &config.server.host, &config.server.port));
+  EXL3_RETURN_IF_ERROR(Read(root, "", "shutdown_grace_ms", &config.shutdown_grace_ms));
+  if (config.shutdown_grace_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config key `shutdown_grace_ms` must be >= 0, got ", config.shutdown_grace_ms));
+  }
+  return config;
+}
+
+// GetServerInfo's ranks from the group's membership.
+std::vector<v1::RankInfo> RankInfos(const coordinator::RemoteRankGroup& group) {
+  std::vector<v1::RankInfo> ranks;
+  for (const coordinator::RankSlotInfo& slot : group.status().ranks) {
+    v1::RankInfo& info = ranks.emplace_back();
+    info.set_rank(static_cast<uint32_t>(slot.rank));
+    info.set_up(slot.up);  // registered, its stream open
+    info.set_address(slot.up && !slot.loaded ? absl::StrCat(slot.address, " (loading)")
+                                             : slot.address);
+    if (slot.up) info.set_last_heartbeat_age_seconds(absl::ToDoubleSeconds(slot.last_heartbeat_age));
+  }
+  return ranks;
 }
 
 // Blocks SIGINT/SIGTERM in every thread and waits for one on a thread of its
@@ -168,31 +277,86 @@ class StopSignal {
 CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
   auto config = std::make_shared<std::string>();
   auto port_file = std::make_shared<std::string>();
-  app.add_option("--config", *config, "cluster config (YAML)")->required();
+  app.add_option("--config", *config,
+                 "cluster config (YAML; keys in cli/coordinator_command.cc; example: "
+                 "deploy/cluster/local-2-ranks.yaml)")
+      ->required();
   app.add_option("--port-file", *port_file,
                  "write the bound rank port here (for scripts using listen_address port 0)");
-  return [config, port_file]() -> absl::Status {
-    EXL3_ASSIGN_OR_RETURN(coordinator::RankGroupOptions options, LoadConfig(*config));
+  // Prometheus /metrics of the coordinator (coordinator/metrics.h); ranks
+  // serve their own (`worker --metrics-port`).
+  auto metrics_port = std::make_shared<int>(0);
+  auto metrics_host = std::make_shared<std::string>("127.0.0.1");
+  app.add_option("--metrics-port", *metrics_port, "Prometheus /metrics on this port (0 = off)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", *metrics_host, "address of the /metrics endpoint")
+      ->capture_default_str();
+  app.footer(
+      "Serves exl3serve.v1.Generation + grpc.health.v1 on api_address (SERVING while every rank\n"
+      "is loaded); ranks join with `exl3serve worker --coordinator HOST:PORT --rank R --reconnect`.\n"
+      "Example config: deploy/cluster/local-2-ranks.yaml");
+  return [config, port_file, metrics_port, metrics_host]() -> absl::Status {
+    EXL3_ASSIGN_OR_RETURN(CoordinatorConfig cfg, LoadConfig(*config));
     StopSignal stop;  // before any thread starts, so they inherit the mask
-    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::RemoteRankGroup> group,
-                          coordinator::RemoteRankGroup::Start(options));
-    std::printf("coordinator: waiting for %d ranks on port %d (model %s)\n", options.world_size,
-                group->port(), options.model_dir.c_str());
+    EXL3_ASSIGN_OR_RETURN(coordinator::EngineModel model, coordinator::LoadEngineModel(&cfg.engine));
+    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::RemoteRankGroup> owned_group,
+                          coordinator::RemoteRankGroup::Start(cfg.group));
+    // The engine owns the group (its executor); `group` stays valid while it lives.
+    coordinator::RemoteRankGroup* group = owned_group.get();
+    cfg.engine.executor_ready = [group] { return group->ready(); };
+    cfg.engine.rank_info = [group] { return RankInfos(*group); };
+    std::unique_ptr<coordinator::ServingMetrics> metrics;  // outlives the engine
+    if (*metrics_port > 0) {
+      EXL3_ASSIGN_OR_RETURN(metrics, coordinator::ServingMetrics::Start(
+                                         *metrics_host, *metrics_port, cfg.group.world_size,
+                                         &cfg.engine));
+      std::printf("metrics: coordinator %s\n", metrics->url().c_str());
+    }
+    auto engine = std::make_unique<coordinator::LocalEngine>(cfg.engine, std::move(model),
+                                                             std::move(owned_group));
+    auto metrics_attached = metrics ? metrics->Attach(*engine) : nullptr;  // goes before engine
+    auto server_or = coordinator::GrpcServer::Start(*engine, cfg.server);
+    if (!server_or.ok()) {
+      group->Shutdown("the coordinator could not start its public API");
+      engine->Shutdown();
+      return absl::Status(server_or.status().code(),
+                          absl::StrCat(server_or.status().message(), " (api_address)"));
+    }
+    std::unique_ptr<coordinator::GrpcServer> server = std::move(*server_or);
+    std::printf("listening on %s\n", server->address().c_str());
+    std::printf("coordinator: waiting for %d ranks on port %d (model %s)\n", cfg.group.world_size,
+                group->port(), cfg.group.model_dir.c_str());
     std::fflush(stdout);
     if (!port_file->empty()) {
       FILE* f = std::fopen(port_file->c_str(), "w");
-      if (f == nullptr) return absl::InvalidArgumentError(absl::StrCat("cannot write ", *port_file));
+      if (f == nullptr) {
+        server->Shutdown(absl::ZeroDuration());
+        group->Shutdown("the coordinator could not write --port-file");
+        engine->Shutdown();
+        return absl::InvalidArgumentError(absl::StrCat("cannot write ", *port_file));
+      }
       std::fprintf(f, "%d\n", group->port());
       std::fclose(f);
     }
-    // TODO(issue 6): hand `group` to the engine (see the file comment).
-    bool was_ready = false;
+    bool was_ready = false, served = false;
     uint64_t generation = 0;
     while (!stop.Wait(absl::Milliseconds(250))) {
       const coordinator::RankGroupStatus status = group->status();
       const bool ready = status.state == coordinator::GroupState::kReady;
       if (ready != was_ready || (ready && status.generation != generation)) {
         if (ready) {
+          const int64_t vocab = group->vocab_size();
+          if (vocab != static_cast<int64_t>(engine->GetModelInfo().vocab_size())) {
+            EXL3_LOG(kError) << "the ranks report a vocabulary of " << vocab << " but "
+                             << cfg.engine.model_dir << "/config.json says "
+                             << engine->GetModelInfo().vocab_size()
+                             << " (model_dir / local_model_dir differ?)";
+          }
+          if (!served) {
+            std::printf("serving %s on %s (world_size=%d)\n", cfg.engine.model_dir.c_str(),
+                        server->address().c_str(), status.world_size);
+            served = true;
+          }
           std::printf("coordinator: ready (group generation %llu, %d ranks)\n",
                       static_cast<unsigned long long>(status.generation), status.world_size);
         } else {
@@ -205,7 +369,13 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
       }
     }
     std::printf("coordinator: stopping\n");
+    std::fflush(stdout);
+    // Streams get the grace period; then the group stops (a step or a wait
+    // for re-formation in flight ends at once) and the engine aborts the rest.
+    server->Shutdown(absl::Milliseconds(cfg.shutdown_grace_ms));
     group->Shutdown("the coordinator was stopped");
+    engine->Shutdown();
+    std::printf("stopped\n");
     return absl::OkStatus();
   };
 }

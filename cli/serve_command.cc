@@ -6,6 +6,9 @@
 // Prints "listening on HOST:PORT" as soon as the port is bound (--port 0
 // picks a free one), then "serving MODEL on HOST:PORT (tp=N)" once every
 // rank is loaded and warmed up (until then health says NOT_SERVING).
+// --metrics-port P (0 = off) serves the coordinator's Prometheus /metrics on
+// --metrics-host:P and rank r's on P+1+r; it prints "metrics: coordinator
+// URL" and "metrics: rank R URL" once they are bound.
 // SIGINT/SIGTERM: health goes NOT_SERVING, new calls are refused, streams in
 // flight get --shutdown-grace-ms to finish (then they are cancelled), the
 // engine stops its ranks, and the command returns 0.
@@ -13,6 +16,7 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <memory>
@@ -27,6 +31,7 @@
 #include "common/status_macros.h"
 #include "coordinator/grpc_server.h"
 #include "coordinator/local_engine.h"
+#include "coordinator/metrics.h"
 
 namespace exl3serve::cli {
 namespace {
@@ -70,6 +75,8 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     coordinator::GrpcServerOptions server;
     int64_t shutdown_grace_ms = 5000;
     int64_t ready_timeout_ms = 600'000;
+    int metrics_port = 0;
+    std::string metrics_host = "127.0.0.1";
   };
   auto args = std::make_shared<Args>();
   args->server.port = 50051;
@@ -109,10 +116,48 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_option("--ready-timeout-ms", args->ready_timeout_ms,
                  "give up when the ranks are not ready within this")
       ->capture_default_str();
+  app.add_option("--metrics-port", args->metrics_port,
+                 "Prometheus /metrics of the coordinator on this port, rank r's on port+1+r "
+                 "(0 = off)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", args->metrics_host, "address of the /metrics endpoints")
+      ->capture_default_str();
   return [args]() -> absl::Status {
     EXL3_RETURN_IF_ERROR(InstallStopSignals());
+    // Declared before the engine, which reports to it; `attached` (after
+    // the engine) stops the scrape-time refresh before the engine goes.
+    std::unique_ptr<coordinator::ServingMetrics> metrics;
+    coordinator::EngineOptions engine_options = args->engine;
+    // As CreateLocalEngine: tp ranks, or ep ranks for expert parallelism alone.
+    const int ranks = engine_options.tensor_parallel > 1 ? engine_options.tensor_parallel
+                                                         : std::max(1, engine_options.expert_parallel);
+    if (args->metrics_port > 0) {
+      if (ranks > 1 && args->metrics_port + ranks > 65535) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--metrics-port ", args->metrics_port, ": ranks need ports up to ",
+            args->metrics_port + ranks, ", above 65535"));
+      }
+      EXL3_ASSIGN_OR_RETURN(metrics, coordinator::ServingMetrics::Start(
+                                         args->metrics_host, args->metrics_port, ranks,
+                                         &engine_options));
+      if (ranks > 1) {
+        engine_options.rank_metrics_port = args->metrics_port + 1;
+        engine_options.rank_metrics_host = args->metrics_host;
+      }
+      std::printf("metrics: coordinator %s\n", metrics->url().c_str());
+      std::fflush(stdout);
+    }
     EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::Engine> engine,
-                          coordinator::CreateLocalEngine(args->engine));
+                          coordinator::CreateLocalEngine(engine_options));
+    std::unique_ptr<coordinator::ServingMetrics::Attachment> attached;
+    if (metrics != nullptr) {
+      attached = metrics->Attach(*engine);
+      for (int r = 0; ranks > 1 && r < ranks; ++r) {
+        std::printf("metrics: rank %d http://%s:%d/metrics\n", r, args->metrics_host.c_str(),
+                    args->metrics_port + 1 + r);
+      }
+      std::fflush(stdout);
+    }
     auto server_or = coordinator::GrpcServer::Start(*engine, args->server);
     if (!server_or.ok()) {
       engine->Shutdown();

@@ -12,7 +12,9 @@
 #include "CLI/CLI.hpp"
 #include "absl/time/time.h"
 #include "cli/commands.h"
+#include "common/metrics.h"
 #include "common/status_macros.h"
+#include "worker/metrics.h"
 #include "worker/rank/rank_client.h"
 #include "worker/rank/rank_server.h"
 
@@ -27,6 +29,8 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
     bool reconnect = false;
     int64_t connect_timeout_ms = 60'000;
     uint32_t protocol_version = worker::rank::kRankProtocolVersion;
+    int metrics_port = 0;
+    std::string metrics_host = "127.0.0.1";
   };
   auto args = std::make_shared<Args>();
   worker::rank::RankServerOptions& o = args->options;
@@ -57,7 +61,24 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--collective-timeout-ms", args->collective_timeout_ms)->capture_default_str();
   app.add_option("--join-timeout-ms", args->join_timeout_ms)->capture_default_str();
+  app.add_option("--metrics-port", args->metrics_port,
+                 "serve this rank's Prometheus /metrics on this port (0 = off)")
+      ->capture_default_str();
+  app.add_option("--metrics-host", args->metrics_host, "address of the /metrics endpoint")
+      ->capture_default_str();
   return [args, &app]() -> absl::Status {
+    // The rank's /metrics endpoint lives as long as the rank.
+    std::unique_ptr<MetricsEndpoint> endpoint;
+    std::unique_ptr<worker::RankMetrics> metrics;
+    if (args->metrics_port > 0) {
+      EXL3_ASSIGN_OR_RETURN(endpoint,
+                            MetricsEndpoint::Start(args->metrics_host, args->metrics_port));
+      metrics = std::make_unique<worker::RankMetrics>(
+          endpoint->registry(),
+          worker::RankMetricsOptions{.model_name = ModelNameLabel(args->options.model_dir),
+                                     .rank = args->options.rank,
+                                     .world_size = args->options.world_size});
+    }
     if (!args->coordinator.empty()) {
       worker::rank::RankClientOptions client;
       client.coordinator_address = args->coordinator;
@@ -68,6 +89,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
       client.reconnect = args->reconnect;
       client.connect_timeout = absl::Milliseconds(args->connect_timeout_ms);
       client.protocol_version = args->protocol_version;
+      client.observer = metrics.get();
       return worker::rank::RunRankClient(client);
     }
     if (args->options.control_fd < 0 || args->options.model_dir.empty()) {
@@ -78,6 +100,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
     EXL3_ASSIGN_OR_RETURN(options.kv.dtype, worker::KvCacheDtypeFromBits(args->kv_bits));
     options.collective_timeout = absl::Milliseconds(args->collective_timeout_ms);
     options.join_timeout = absl::Milliseconds(args->join_timeout_ms);
+    options.observer = metrics.get();
     return worker::rank::RunRankServer(options);
   };
 }

@@ -41,7 +41,8 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
       tokenizer_(std::move(model.tokenizer)),
       transformer_(std::move(model.transformer)),
       bits_per_weight_(model.bits_per_weight),
-      vocab_size_(executor->vocab_size()),
+      // A remote group knows its vocabulary only once formed; it is config.json's.
+      vocab_size_(executor->vocab_size() > 0 ? executor->vocab_size() : config_.arch.vocab_size),
       max_context_([&] {
         const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
         return options.max_context > 0 ? std::min(options.max_context, pool) : pool;
@@ -181,6 +182,9 @@ absl::Status LocalEngine::Submit(const v1::GenerateRequest& request,
                                  ResponseCallback on_response) {
   EXL3_ASSIGN_OR_RETURN(Pending p, Validate(request));
   p.callback = std::move(on_response);
+  if (options_.executor_ready && !options_.executor_ready()) {
+    return absl::UnavailableError("the engine is not ready: its rank group is not formed");
+  }
   absl::MutexLock lock(&mu_);
   if (stopping_) return absl::UnavailableError("the engine is shutting down");
   if (broken_) return absl::UnavailableError("the engine is not ready: its rank group failed");
@@ -217,6 +221,7 @@ int LocalEngine::Abort(const std::vector<std::string>& request_ids, const std::s
 }
 
 bool LocalEngine::ready() const {
+  if (options_.executor_ready && !options_.executor_ready()) return false;
   absl::MutexLock lock(&mu_);
   return !stopping_ && !broken_;
 }
@@ -244,6 +249,10 @@ v1::GetModelInfoResponse LocalEngine::GetModelInfo() const {
 
 v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   v1::GetServerInfoResponse info;
+  if (options_.rank_info) {
+    for (v1::RankInfo& rank : options_.rank_info()) *info.add_ranks() = std::move(rank);
+  }
+  const bool executor_ready = !options_.executor_ready || options_.executor_ready();
   absl::MutexLock lock(&mu_);
   info.set_num_requests_running(static_cast<uint32_t>(stat_running_));
   info.set_num_requests_waiting(static_cast<uint32_t>(stat_waiting_ + inbox_.size()));
@@ -251,12 +260,15 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_kv_blocks_free(static_cast<uint32_t>(stat_free_blocks_));
   info.set_kv_cache_usage_perc(1.0 - static_cast<double>(stat_free_blocks_) /
                                          static_cast<double>(options_.kv.num_pages));
-  info.set_ready(!stopping_ && !broken_);
+  info.set_ready(executor_ready && !stopping_ && !broken_);
   info.set_uptime_seconds(absl::ToDoubleSeconds(options_.clock() - started_));
   info.set_tensor_parallel_size(static_cast<uint32_t>(std::max(1, options_.tensor_parallel)));
   info.set_expert_parallel_size(static_cast<uint32_t>(std::max(1, options_.expert_parallel)));
   info.set_num_preemptions(stat_preemptions_);
   info.set_num_replays(stat_replays_);
+  info.set_num_steps(stat_steps_);
+  info.set_step_seconds_total(stat_step_seconds_);
+  info.set_coordinator_seconds_total(stat_coordinator_seconds_);
   return info;
 }
 
@@ -288,6 +300,9 @@ absl::Status LocalEngine::DeepHealthCheck(absl::Time deadline) {
       result->status = absl::UnavailableError("deep health check was aborted");
     }
   };
+  if (options_.executor_ready && !options_.executor_ready()) {
+    return absl::UnavailableError("the engine is not ready: its rank group is not formed");
+  }
   std::string request_id;
   {
     absl::MutexLock lock(&mu_);
@@ -321,15 +336,23 @@ void LocalEngine::Loop() {
     std::deque<Pending> fresh;
     std::vector<std::pair<int64_t, std::string>> aborts;
     bool stopping = false;
+    bool broken = false;
     {
       absl::MutexLock lock(&mu_);
       auto has_work = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         return stopping_ || !inbox_.empty() || !abort_inbox_.empty();
       };
-      if (scheduler_.empty()) mu_.Await(absl::Condition(&has_work));
+      if (scheduler_.empty()) {
+        if (broken_) {  // a pause between re-formation attempts (below)
+          mu_.AwaitWithTimeout(absl::Condition(&has_work), absl::Seconds(1));
+        } else {
+          mu_.Await(absl::Condition(&has_work));
+        }
+      }
       fresh.swap(inbox_);
       aborts.swap(abort_inbox_);
       stopping = stopping_;
+      broken = broken_;
     }
     for (Pending& p : fresh) {
       const int64_t seq_id = p.seq_id;
@@ -355,6 +378,19 @@ void LocalEngine::Loop() {
       scheduler_.Cancel(seq_id);
     }
     if (stopping) break;
+    if (broken && scheduler_.empty()) {
+      // The group did not re-form within reform_timeout and every request
+      // failed (Submit refuses meanwhile): keep trying, so the engine is
+      // ready again once the ranks are back. Shutdown waits for one attempt
+      // (RemoteRankGroup::Shutdown ends its wait at once).
+      if (options_.reform_timeout > absl::ZeroDuration() &&
+          executor_->Recover(absl::Now() + options_.reform_timeout).ok()) {
+        EXL3_LOG(kWarning) << "rank group re-formed; ready again";
+        absl::MutexLock lock(&mu_);
+        broken_ = false;
+      }
+      continue;
+    }
     Step();
     PublishStats();
   }
@@ -394,6 +430,7 @@ void LocalEngine::Step() {
   std::vector<worker::SequenceTokens> batch;
   batch.reserve(out.batch.size());
   for (const ScheduledChunk& c : out.batch) batch.push_back({c.seq_id, c.tokens});
+  const absl::Time forward_start = options_.clock();
   if (absl::Status s = executor_->Forward(batch, worker::LogitsRows::kLastToken, &logits_);
       !s.ok()) {
     return OnExecutorFailure(s);
@@ -407,10 +444,31 @@ void LocalEngine::Step() {
     const worker::SampledToken token = live.sampler->Sample(row);
     if (!OnToken(c.seq_id, live, token, done)) scheduler_.AppendToken(c.seq_id, token.id);
   }
+  StepRecord step{.step = options_.clock() - now, .forward = done - forward_start};
+  ++steps_;
+  step_seconds_ += absl::ToDoubleSeconds(step.step);
+  coordinator_seconds_ += absl::ToDoubleSeconds(step.step - step.forward);
+  if (options_.observer != nullptr) {
+    step.batch_sequences = static_cast<int64_t>(out.batch.size());
+    for (const ScheduledChunk& c : out.batch) {
+      step.batch_tokens += static_cast<int64_t>(c.tokens.size());
+      step.sampled_tokens += c.needs_logits ? 1 : 0;
+    }
+    options_.observer->OnStep(step);
+  }
 }
 
 bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken& token,
                           absl::Time now) {
+  if (options_.observer != nullptr) {
+    if (!live.first_token) {
+      options_.observer->OnFirstToken(now - live.p.arrival,
+                                      static_cast<int64_t>(live.p.prompt.size()));
+    } else if (live.last_token) {
+      options_.observer->OnInterTokenLatency(now - *live.last_token);
+    }
+  }
+  live.last_token = now;
   if (!live.first_token) live.first_token = now;
   const Pending& p = live.p;
   // Text still held back (a partial character, a possible stop-string start).
@@ -485,6 +543,19 @@ void LocalEngine::Complete(int64_t seq_id, v1::FinishReason reason,
   c->set_queue_time_seconds(
       absl::ToDoubleSeconds(live.admitted.value_or(now) - live.p.arrival));
   c->set_matched_stop(matched_stop);
+  if (options_.observer != nullptr) {
+    options_.observer->OnRequestFinished(RequestRecord{
+        .finish = reason == v1::FINISH_REASON_LENGTH  ? FinishKind::kLength
+                  : reason == v1::FINISH_REASON_ABORT ? FinishKind::kAbort
+                                                      : FinishKind::kStop,
+        .arrival = live.p.arrival,
+        .scheduled = live.admitted,
+        .first_token = live.first_token,
+        .finished = now,
+        .prompt_tokens = static_cast<int64_t>(live.p.prompt.size()),
+        .generation_tokens = static_cast<int64_t>(live.output.size()),
+        .max_tokens = live.p.max_tokens});
+  }
   ResponseCallback callback = std::move(it->second.p.callback);
   Forget(seq_id);
   callback(r);
@@ -497,6 +568,7 @@ void LocalEngine::Fail(int64_t seq_id, absl::StatusCode code, const std::string&
   r.set_request_id(it->second.p.request_id);
   r.mutable_error()->set_code(RpcCode(code));
   r.mutable_error()->set_message(message);
+  if (options_.observer != nullptr) options_.observer->OnRequestFailed(code);
   ResponseCallback callback = std::move(it->second.p.callback);
   Forget(seq_id);
   callback(r);
@@ -535,6 +607,9 @@ void LocalEngine::OnExecutorFailure(const absl::Status& status) {
       absl::MutexLock lock(&mu_);
       broken_ = false;
       stat_replays_ += requeued.size();
+      if (options_.observer != nullptr) {
+        options_.observer->OnGroupReformed(static_cast<int64_t>(requeued.size()));
+      }
       return;
     }
     EXL3_LOG(kError) << "the rank group did not re-form within "
@@ -560,6 +635,9 @@ void LocalEngine::PublishStats() {
   stat_free_blocks_ = scheduler_.free_blocks();
   stat_preemptions_ = scheduler_.num_preemptions();
   stat_idle_ = scheduler_.empty();
+  stat_steps_ = steps_;
+  stat_step_seconds_ = step_seconds_;
+  stat_coordinator_seconds_ = coordinator_seconds_;
 }
 
 namespace {
@@ -589,8 +667,8 @@ ConfigExtras ReadConfigExtras(const std::string& dir) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& given) {
-  EngineOptions options = given;
+absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
+  EngineOptions& options = *options_ptr;
   if (options.model_dir.empty()) return Invalid("model_dir", "is empty");
   if (options.tensor_parallel < 1) return Invalid("tensor_parallel", "must be >= 1");
   if (options.expert_parallel < 0) return Invalid("expert_parallel", "must be >= 0");
@@ -609,9 +687,18 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
   if (options.max_context == 0 && extras.max_position_embeddings > 0) {
     options.max_context = std::min(pool, extras.max_position_embeddings);
   }
-
   EngineModel model;
   model.bits_per_weight = extras.bits;
+  EXL3_ASSIGN_OR_RETURN(model.config, worker::ReadModelConfig(options.model_dir));
+  if (std::filesystem::exists(options.model_dir + "/tokenizer.json")) {
+    EXL3_ASSIGN_OR_RETURN(model.tokenizer, Tokenizer::Load(options.model_dir));
+  }
+  return model;
+}
+
+absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& given) {
+  EngineOptions options = given;
+  EXL3_ASSIGN_OR_RETURN(EngineModel model, LoadEngineModel(&options));
   std::unique_ptr<worker::StepExecutor> executor;
   const int ranks = options.tensor_parallel > 1 ? options.tensor_parallel
                                                 : std::max(1, options.expert_parallel);
@@ -623,7 +710,6 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
     executor =
         std::make_unique<worker::LocalStepExecutor>(model.transformer.get(), std::move(cache));
   } else {
-    EXL3_ASSIGN_OR_RETURN(model.config, worker::ReadModelConfig(options.model_dir));
     worker::rank::LocalGroupOptions group;
     group.model_dir = options.model_dir;
     group.world_size = ranks;
@@ -632,10 +718,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
     group.threads_per_rank = options.threads_per_rank;
     group.kv = options.kv;
     group.step_timeout = options.rank_step_timeout;
+    group.metrics_port = options.rank_metrics_port;
+    group.metrics_host = options.rank_metrics_host;
     EXL3_ASSIGN_OR_RETURN(executor, worker::rank::LocalGroup::Start(group));
-  }
-  if (std::filesystem::exists(options.model_dir + "/tokenizer.json")) {
-    EXL3_ASSIGN_OR_RETURN(model.tokenizer, Tokenizer::Load(options.model_dir));
   }
   return std::unique_ptr<Engine>(
       new LocalEngine(options, std::move(model), std::move(executor)));

@@ -9,7 +9,8 @@
 //
 // CreateLocalEngine runs the model in this process (tensor_parallel 1) or in
 // N local rank processes (worker/rank/local_group.h). LocalEngine's
-// constructor takes any StepExecutor (a fake in tests, remote ranks later).
+// constructor takes any StepExecutor (a fake in tests; remote ranks,
+// coordinator/rank_group.h, with LoadEngineModel in `exl3serve coordinator`).
 //
 // The scheduler thread owns every request once it left Submit's inbox. Each
 // iteration: take new requests and aborts from the inbox (mutex), Schedule(),
@@ -28,8 +29,11 @@
 // Failure: an executor error (a rank died: Unavailable, Aborted,
 // DeadlineExceeded; or anything else) ends every in-flight request with a
 // GenerateError (UNAVAILABLE for a broken group, INTERNAL otherwise) and the
-// engine stops being ready for a broken group. OnExecutorFailure() is the
-// hook where re-forming the group and replaying requests will go.
+// engine stops being ready for a broken group — unless the group re-forms
+// within options.reform_timeout (StepExecutor::Recover), in which case every
+// in-flight request is replayed (OnExecutorFailure). A group that did not
+// re-form in time is retried (Recover again) while the engine idles, so the
+// engine becomes ready again once its ranks are back.
 //
 // Thread safety: every public method is thread-safe.
 #ifndef EXL3SERVE_COORDINATOR_LOCAL_ENGINE_H_
@@ -50,6 +54,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
+#include "coordinator/engine_observer.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -94,6 +99,23 @@ struct EngineOptions {
   int64_t max_running = 64;         // sequences per decode step
   int64_t step_token_budget = 512;  // new tokens per forward (chunked prefill)
 
+  // --- An executor whose ranks live elsewhere (`exl3serve coordinator`) ---
+  // When set, ready() and Submit also require executor_ready() (a remote
+  // group can break while the engine is idle; e.g. RemoteRankGroup::ready),
+  // and GetServerInfo lists rank_info(). Called from any thread, without the
+  // engine's lock held; must not call into the engine.
+  std::function<bool()> executor_ready;
+  std::function<std::vector<v1::RankInfo>()> rank_info;
+
+  // --- Observability ---
+  // Receives request timings and step costs (metrics); borrowed, must
+  // outlive the engine. Null: none.
+  EngineObserver* observer = nullptr;
+  // Local rank processes serve /metrics on rank_metrics_host, rank r on
+  // port rank_metrics_port + r (worker --metrics-port). 0 = off.
+  int rank_metrics_port = 0;
+  std::string rank_metrics_host = "127.0.0.1";
+
   // --- Testing ---
   // The clock of arrivals, deadlines and timings (tests inject a fake one).
   std::function<absl::Time()> clock = [] { return absl::Now(); };
@@ -114,6 +136,13 @@ struct EngineModel {
   std::unique_ptr<worker::Transformer> transformer;
   double bits_per_weight = 16.0;
 };
+
+// For an engine whose executor is built elsewhere (remote ranks): validates
+// `options` as CreateLocalEngine does (InvalidArgument naming the field),
+// caps options->max_context by config.json's max_position_embeddings, and
+// reads the model's config, quantization bits and tokenizer (when
+// model_dir has tokenizer.json). No transformer is loaded.
+absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options);
 
 class LocalEngine final : public Engine {
  public:
@@ -164,6 +193,7 @@ class LocalEngine final : public Engine {
     std::vector<int32_t> output;
     std::optional<absl::Time> admitted;
     std::optional<absl::Time> first_token;
+    std::optional<absl::Time> last_token;  // for inter-token latency
     std::string abort_reason;
   };
 
@@ -179,11 +209,12 @@ class LocalEngine final : public Engine {
   void Complete(int64_t seq_id, v1::FinishReason reason, const std::string& matched_stop);
   void Fail(int64_t seq_id, absl::StatusCode code, const std::string& message);
   void Forget(int64_t seq_id);
-  // Hook: the executor failed with `status`. Today every in-flight request
-  // ends with an error and, for a broken group (Unavailable, Aborted,
-  // DeadlineExceeded), the engine stops being ready. This is where the rank
-  // protocol will re-form the group and replay the requests (each one's
-  // prompt + output so far is scheduler_.tokens(seq_id)) within a bound.
+  // The executor failed with `status`. A broken group (Unavailable, Aborted,
+  // DeadlineExceeded) gets options_.reform_timeout to re-form (Recover);
+  // then every in-flight request is requeued and replayed (prompt + output so
+  // far, scheduler_.tokens(seq_id)). Otherwise every in-flight request ends
+  // with an error and a broken group leaves the engine not ready (Loop
+  // retries Recover while idle).
   void OnExecutorFailure(const absl::Status& status);
   void PublishStats();
 
@@ -202,6 +233,10 @@ class LocalEngine final : public Engine {
   Scheduler scheduler_;
   absl::flat_hash_map<int64_t, Live> live_;
   std::vector<float> logits_;
+  // Steps that ran a forward, their wall time and the coordinator's share
+  // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).
+  uint64_t steps_ = 0;
+  double step_seconds_ = 0, coordinator_seconds_ = 0;
 
   // --- Guarded by mu_ ---
   mutable absl::Mutex mu_;
@@ -220,6 +255,9 @@ class LocalEngine final : public Engine {
   int64_t stat_free_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_preemptions_ ABSL_GUARDED_BY(mu_) = 0;
   bool stat_idle_ ABSL_GUARDED_BY(mu_) = true;  // the scheduler holds nothing
+  uint64_t stat_steps_ ABSL_GUARDED_BY(mu_) = 0;
+  double stat_step_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  double stat_coordinator_seconds_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread thread_;  // the scheduler thread; joined by Shutdown
   absl::Mutex join_mu_;  // serialises Shutdown's join

@@ -522,5 +522,114 @@ TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
   engine->Shutdown();
 }
 
+// A real executor (the in-process model) whose "group" breaks after a few
+// forwards and re-forms on Recover — with an empty cache, as new ranks would —
+// once allowed (at once when `recoverable`).
+class ReformingExecutor final : public worker::StepExecutor {
+ public:
+  ReformingExecutor(const worker::KvCacheOptions& kv, int forwards_before_death, bool recoverable)
+      : kv_(kv), left_(forwards_before_death), recoverable_(recoverable) {
+    Fresh();
+  }
+  int64_t vocab_size() const override { return model->transformer->vocab_size(); }
+  absl::Status AddSequence(int64_t id) override {
+    return dead_ ? Dead() : inner_->AddSequence(id);
+  }
+  absl::Status RemoveSequence(int64_t id) override {
+    return dead_ ? Dead() : inner_->RemoveSequence(id);
+  }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
+                       std::vector<float>* logits) override {
+    if (!dead_ && left_-- <= 0) dead_ = true;
+    return dead_ ? Dead() : inner_->Forward(batch, rows, logits);
+  }
+  absl::Status Recover(absl::Time) override {
+    if (!recoverable_.load()) return absl::UnavailableError("rank 1 is still missing");
+    Fresh();
+    dead_ = false;
+    left_ = 1 << 30;
+    ++recoveries_;
+    return absl::OkStatus();
+  }
+  void AllowRecovery() { recoverable_.store(true); }
+  int recoveries() const { return recoveries_.load(); }
+
+ private:
+  static absl::Status Dead() { return absl::UnavailableError("rank 1 (pid 4242) exited"); }
+  void Fresh() {
+    auto cache = model->transformer->CreateKvCache(kv_);
+    ASSERT_TRUE(cache.ok());
+    inner_ = std::make_unique<worker::LocalStepExecutor>(model->transformer.get(),
+                                                         std::move(*cache));
+  }
+  const worker::KvCacheOptions kv_;
+  std::unique_ptr<worker::LocalStepExecutor> inner_;
+  int left_;
+  bool dead_ = false;
+  std::atomic<bool> recoverable_;
+  std::atomic<int> recoveries_{0};
+};
+
+TEST_F(LocalEngineTest, InFlightRequestsAreReplayedWhenTheGroupReforms) {
+  EngineOptions options = Options(40, 4);  // small: preemption and replay together
+  EngineModel m;
+  m.config = model->transformer->config();
+  auto owned = std::make_unique<ReformingExecutor>(options.kv, 6, /*recoverable=*/true);
+  ReformingExecutor* executor = owned.get();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
+  constexpr int kRequests = 24;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(Prompt(1 + (i * 7) % 30, 300 + i));
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(prompts[i], 20), streams[i]->Callback()).ok());
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    v1::GenerateResponse r = streams[i]->Wait();
+    ASSERT_TRUE(r.has_complete()) << i << ": " << r.DebugString();
+    EXPECT_EQ(Ids(r.complete()), Alone(prompts[i], 20)) << "request " << i;
+    EXPECT_EQ(streams[i]->streamed(), Ids(r.complete())) << "request " << i;
+  }
+  EXPECT_EQ(executor->recoveries(), 1);
+  EXPECT_GT(engine->GetServerInfo().num_replays(), 0u);
+  EXPECT_TRUE(engine->ready());
+  ASSERT_TRUE(engine->WaitForIdle(absl::Now() + kWait));
+  EXPECT_EQ(engine->GetServerInfo().kv_blocks_free(), 40u);
+}
+
+TEST_F(LocalEngineTest, ABrokenEngineIsReadyAgainOnceTheGroupReforms) {
+  EngineOptions options = Options(64, 16);
+  options.reform_timeout = absl::Milliseconds(50);
+  EngineModel m;
+  m.config = model->transformer->config();
+  auto owned = std::make_unique<ReformingExecutor>(options.kv, 3, /*recoverable=*/false);
+  ReformingExecutor* executor = owned.get();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < 4; ++i) {
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(Prompt(4, i), 30), streams.back()->Callback()).ok());
+  }
+  for (auto& s : streams) {
+    v1::GenerateResponse r = s->Wait();
+    ASSERT_TRUE(r.has_error()) << r.DebugString();
+    EXPECT_EQ(r.error().code(), static_cast<int>(absl::StatusCode::kUnavailable));
+  }
+  EXPECT_FALSE(engine->ready());
+  executor->AllowRecovery();  // "rank 1 is back": the idle engine's next attempt succeeds
+  const absl::Time deadline = absl::Now() + kWait;
+  while (!engine->ready() && absl::Now() < deadline) absl::SleepFor(absl::Milliseconds(10));
+  ASSERT_TRUE(engine->ready());
+  EXPECT_EQ(engine->GetServerInfo().num_replays(), 0u);
+  Stream again;
+  const std::vector<int32_t> prompt = Prompt(6, 77);
+  ASSERT_TRUE(engine->Submit(Request(prompt, 12), again.Callback()).ok());
+  v1::GenerateResponse r = again.Wait();
+  ASSERT_TRUE(r.has_complete()) << r.DebugString();
+  EXPECT_EQ(Ids(r.complete()), Alone(prompt, 12));
+  engine->Shutdown();
+}
+
 }  // namespace
 }  // namespace exl3serve::coordinator

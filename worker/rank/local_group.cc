@@ -127,6 +127,10 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
       args.insert(args.end(), {"--bootstrap", spec.bootstrap_address});
     }
     if (!spec.ucx_tls.empty()) args.insert(args.end(), {"--ucx-tls", spec.ucx_tls});
+    if (options.metrics_port > 0) {
+      args.insert(args.end(), {"--metrics-host", options.metrics_host, "--metrics-port",
+                               absl::StrCat(options.metrics_port + r)});
+    }
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

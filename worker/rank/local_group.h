@@ -51,6 +51,9 @@ struct LocalGroupOptions {
   KvCacheOptions kv;
   absl::Duration load_timeout = absl::Minutes(5);
   absl::Duration step_timeout = absl::Seconds(60);
+  // Rank r serves /metrics on metrics_host:(metrics_port + r); 0 = off.
+  int metrics_port = 0;
+  std::string metrics_host = "127.0.0.1";
 };
 
 class LocalGroup final : public StepExecutor {

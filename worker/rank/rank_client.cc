@@ -177,6 +177,7 @@ class Session {
     if (setup.collective_timeout_ms() > 0) {
       rank_setup.collective_timeout = absl::Milliseconds(setup.collective_timeout_ms());
     }
+    rank_setup.observer = options_.observer;
     {
       absl::MutexLock lock(&mu_);
       if (setup.heartbeat_interval_ms() > 0) {

@@ -31,6 +31,8 @@ namespace exl3serve::worker::rank {
 // The rank protocol revision this binary speaks (rank.proto RANK_PROTOCOL_CURRENT).
 inline constexpr uint32_t kRankProtocolVersion = 1;
 
+class RankObserver;  // rank_executor.h
+
 struct RankClientOptions {
   std::string coordinator_address;  // host:port of the coordinator's rank endpoint
   int rank = 0;
@@ -44,6 +46,8 @@ struct RankClientOptions {
   absl::Duration connect_timeout = absl::Seconds(60);
   // The version sent in Register; tests override it to check refusal.
   uint32_t protocol_version = kRankProtocolVersion;
+  // The rank's metrics (worker/metrics.h); borrowed, must outlive the call.
+  RankObserver* observer = nullptr;
 };
 
 // Runs the rank until it is done; see the file comment for the endings.

@@ -10,12 +10,23 @@
 
 namespace exl3serve::worker::rank {
 
+const char* ForwardPhaseName(ForwardPhase phase) {
+  switch (phase) {
+    case ForwardPhase::kPrefill: return "prefill";
+    case ForwardPhase::kDecode: return "decode";
+    case ForwardPhase::kMixed: return "mixed";
+  }
+  return "mixed";
+}
+
 absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
   LoadedRank loaded;
   loaded.rank = setup.rank;
+  loaded.observer = setup.observer;
   EXL3_ASSIGN_OR_RETURN(loaded.comm,
                         comm::CreateCommunicator(setup.comm, setup.rank, setup.world_size,
                                                  absl::Now() + setup.join_timeout));
+  loaded.comm = comm::WithCollectiveTiming(std::move(loaded.comm), setup.observer);
   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<sharding::Exl3Model> checkpoint,
                         sharding::Exl3Model::Open(setup.model_dir));
   if (!checkpoint->arch().has_value()) {
@@ -57,7 +68,22 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
         batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
       }
       std::vector<float> scratch;
-      return rank.model->Forward(batch, command.rows, &*rank.cache, logits ? logits : &scratch);
+      const absl::Time start = absl::Now();
+      absl::Status status =
+          rank.model->Forward(batch, command.rows, &*rank.cache, logits ? logits : &scratch);
+      if (rank.observer != nullptr) {
+        int64_t tokens = 0, single = 0;
+        for (const auto& t : command.batch_tokens) {
+          tokens += static_cast<int64_t>(t.size());
+          single += t.size() == 1 ? 1 : 0;
+        }
+        const int64_t n = static_cast<int64_t>(command.batch_tokens.size());
+        const ForwardPhase phase = single == n   ? ForwardPhase::kDecode
+                                   : single == 0 ? ForwardPhase::kPrefill
+                                                 : ForwardPhase::kMixed;
+        rank.observer->OnForward(phase, tokens, absl::Now() - start, status);
+      }
+      return status;
     }
   }
   return absl::InvalidArgumentError("unknown rank command");

@@ -20,10 +20,25 @@
 #include "absl/time/time.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/timed_communicator.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/transformer.h"
 
 namespace exl3serve::worker::rank {
+
+// What a forward was: every sequence one token (decode), none (prefill), or both.
+enum class ForwardPhase { kPrefill, kDecode, kMixed };
+const char* ForwardPhaseName(ForwardPhase phase);  // "prefill", "decode", "mixed"
+
+// What a rank reports as it runs (its metrics, worker/metrics.h): every
+// collective call (through comm::WithCollectiveTiming) and every forward.
+// Called on the rank's step thread; must be quick and must not block.
+class RankObserver : public comm::CollectiveObserver {
+ public:
+  // One forward of `tokens` new tokens that took `elapsed` (collectives included).
+  virtual void OnForward(ForwardPhase phase, int64_t tokens, absl::Duration elapsed,
+                         const absl::Status& status) = 0;
+};
 
 // Everything a rank needs to join its group and load.
 struct RankSetup {
@@ -35,6 +50,8 @@ struct RankSetup {
   KvCacheOptions kv;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
+  // Borrowed, must outlive the LoadedRank; null = no observation.
+  RankObserver* observer = nullptr;
 };
 
 // A rank that has joined its group and loaded its shard.
@@ -47,6 +64,7 @@ struct LoadedRank {
   std::optional<PagedKvCache> cache;
   uint64_t bytes_read = 0;
   uint64_t planned_bytes = 0;
+  RankObserver* observer = nullptr;  // RankSetup::observer
 };
 
 // Joins the communicator by setup.join_timeout, plans the shards, loads this

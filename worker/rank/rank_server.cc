@@ -78,6 +78,7 @@ absl::Status RunRankServer(const RankServerOptions& options) {
   setup.kv = options.kv;
   setup.join_timeout = options.join_timeout;
   setup.collective_timeout = options.collective_timeout;
+  setup.observer = options.observer;
   absl::StatusOr<LoadedRank> loaded = LoadRank(setup);
   {
     WireWriter hello;

@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/model/kv_cache.h"
+#include "worker/rank/rank_executor.h"
 
 namespace exl3serve::worker::rank {
 
@@ -39,6 +40,8 @@ struct RankServerOptions {
   KvCacheOptions kv;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
+  // The rank's metrics; borrowed, must outlive the call. Null = none.
+  RankObserver* observer = nullptr;
 };
 
 // Runs the rank until shutdown or end of file (OK) or a broken group (the

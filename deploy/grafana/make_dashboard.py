@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Writes deploy/grafana/exl3serve.json, the Grafana dashboard of exl3serve.
+
+Run it after changing a panel (python3 deploy/grafana/make_dashboard.py); the
+JSON is committed. tests/cli/metrics_test.sh checks that every metric the
+dashboard queries is exported by a running cluster.
+"""
+import json
+import os
+
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'model_name=~"$model_name"'
+RATE = "$__rate_interval"
+
+panels = []
+
+
+def panel(title, targets, unit, x, y, w=12, h=8, kind="timeseries", description=""):
+    panels.append({
+        "id": len(panels) + 1,
+        "type": kind,
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "gridPos": {"x": x, "y": y, "w": w, "h": h},
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "table", "placement": "bottom", "calcs": ["mean", "max"]},
+                    "tooltip": {"mode": "multi"}},
+        "targets": [{"datasource": DS, "refId": chr(ord("A") + i), "expr": e, "legendFormat": l}
+                    for i, (e, l) in enumerate(targets)],
+    })
+
+
+def quantiles(metric, by=""):
+    group = "le" + (", " + by if by else "")
+    label = "".join("{{%s}} " % b.strip() for b in by.split(",") if b.strip())
+    return [("histogram_quantile(%s, sum by (%s) (rate(%s_bucket{%s}[%s])))" % (q, group, metric, SEL, RATE),
+             "%sp%s" % (label, int(q * 100))) for q in (0.5, 0.9, 0.99)]
+
+
+panel("Time to first token", quantiles("exl3serve:time_to_first_token_seconds"), "s", 0, 0,
+      description="From arrival (after tokenization) to the first sampled token.")
+panel("Inter-token latency", quantiles("exl3serve:inter_token_latency_seconds"), "s", 12, 0)
+panel("End-to-end request latency", quantiles("exl3serve:e2e_request_latency_seconds"), "s", 0, 8)
+panel("Queue time", quantiles("exl3serve:request_queue_time_seconds"), "s", 12, 8)
+panel("Token throughput", [
+    ("sum(rate(exl3serve:prompt_tokens_total{%s}[%s]))" % (SEL, RATE), "prompt tokens/s"),
+    ("sum(rate(exl3serve:generation_tokens_total{%s}[%s]))" % (SEL, RATE), "generation tokens/s"),
+], "short", 0, 16)
+panel("Finished requests", [
+    ("sum by (finished_reason) (rate(exl3serve:request_success_total{%s}[%s]))" % (SEL, RATE),
+     "{{finished_reason}}"),
+    ("sum by (reason) (rate(exl3serve:request_failure_total{%s}[%s]))" % (SEL, RATE), "error {{reason}}"),
+], "reqps", 12, 16)
+panel("Scheduler state", [
+    ("sum(exl3serve:num_requests_running{%s})" % SEL, "running"),
+    ("sum(exl3serve:num_requests_waiting{%s})" % SEL, "waiting"),
+    ("sum(rate(exl3serve:num_preemptions_total{%s}[%s]))" % (SEL, RATE), "preemptions/s"),
+], "short", 0, 24)
+panel("KV cache usage", [("max(exl3serve:kv_cache_usage_perc{%s})" % SEL, "usage")],
+      "percentunit", 12, 24)
+panel("Rank forward time p90 (per rank, phase)",
+      [quantiles("exl3serve:rank_forward_seconds", "rank, phase")[1]], "s", 0, 32,
+      description="One forward on each rank: its share of a step, collectives included.")
+panel("Coordinator step", [
+    quantiles("exl3serve:engine_step_seconds")[1],
+    ("sum(rate(exl3serve:engine_step_coordinator_seconds_total{%s}[%s])) / "
+     "sum(rate(exl3serve:engine_step_seconds_sum{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "coordinator share"),
+], "s", 12, 32, description="Step wall time, and the part spent in the coordinator, not the ranks.")
+panel("Collective latency p99 (backend, op, size class)",
+      [quantiles("exl3serve:collective_latency_seconds", "backend, op, size_class")[2]], "s", 0, 40)
+panel("Collective throughput per rank", [
+    ("sum by (rank, backend) (rate(exl3serve:collective_bytes_total{%s}[%s]))" % (SEL, RATE),
+     "rank {{rank}} {{backend}}"),
+], "Bps", 12, 40)
+panel("Ranks up", [("exl3serve:rank_up{%s}" % SEL, "rank {{rank}}")], "short", 0, 48, w=8)
+panel("Collective timeouts and failures", [
+    ("sum by (rank) (increase(exl3serve:collective_timeouts_total{%s}[5m]))" % SEL, "timeouts rank {{rank}}"),
+    ("sum by (rank) (increase(exl3serve:collective_failures_total{%s}[5m]))" % SEL, "failures rank {{rank}}"),
+], "short", 8, 48, w=8)
+panel("Rank restarts and request replays", [
+    ("sum(increase(exl3serve:rank_restarts_total{%s}[5m]))" % SEL, "group re-formations"),
+    ("sum(increase(exl3serve:request_replays_total{%s}[5m]))" % SEL, "replayed requests"),
+], "short", 16, 48, w=8)
+
+dashboard = {
+    "title": "exl3serve",
+    "uid": "exl3serve",
+    "tags": ["exl3serve", "llm"],
+    "timezone": "browser",
+    "schemaVersion": 39,
+    "version": 1,
+    "refresh": "10s",
+    "time": {"from": "now-1h", "to": "now"},
+    "templating": {"list": [
+        {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Data source"},
+        {"name": "model_name", "type": "query", "datasource": DS, "label": "Model",
+         "query": {"query": "label_values(exl3serve:num_requests_running, model_name)", "refId": "model"},
+         "definition": "label_values(exl3serve:num_requests_running, model_name)",
+         "includeAll": True, "multi": True, "current": {"text": "All", "value": "$__all"}, "refresh": 2},
+    ]},
+    "panels": panels,
+}
+
+out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "exl3serve.json")
+with open(out, "w") as f:
+    json.dump(dashboard, f, indent=2)
+    f.write("\n")
+print("wrote", out)

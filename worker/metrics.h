@@ -1,0 +1,58 @@
+// worker/metrics.h — every Prometheus metric a rank process exports,
+// declared (with help text) in metrics.cc; the rank's RankObserver.
+// Every series carries model_name and rank:
+//
+//   histogram  exl3serve:rank_forward_seconds{phase=prefill|decode|mixed}
+//                one forward on this rank (its share of a step, collectives included)
+//              exl3serve:collective_latency_seconds{backend,op,size_class}
+//                one collective call (worker/comm/timed_communicator.h)
+//   counter    exl3serve:rank_forward_tokens_total{phase}
+//              exl3serve:collective_bytes_total{backend,op}   this rank's payload
+//              exl3serve:collective_timeouts_total{backend}   calls that hit their deadline
+//              exl3serve:collective_failures_total{backend}   other failed calls
+//   gauge      exl3serve:rank_info{world_size} = 1
+//
+//   RankMetrics metrics(endpoint->registry(), {.model_name = "llama", .rank = 0, ...});
+//   options.observer = &metrics;   // RankServerOptions / RankClientOptions
+//
+// Thread safety: every method is thread-safe (prometheus-cpp metrics are).
+#ifndef EXL3SERVE_WORKER_METRICS_H_
+#define EXL3SERVE_WORKER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "worker/rank/rank_executor.h"
+
+namespace prometheus {
+class Registry;
+}  // namespace prometheus
+
+namespace exl3serve::worker {
+
+struct RankMetricsOptions {
+  std::string model_name;  // the model_name label
+  int rank = 0;
+  int world_size = 1;
+};
+
+class RankMetrics final : public rank::RankObserver {
+ public:
+  // Registers every family in `registry`, which must outlive this object.
+  RankMetrics(prometheus::Registry& registry, const RankMetricsOptions& options);
+  ~RankMetrics() override;
+
+  void OnForward(rank::ForwardPhase phase, int64_t tokens, absl::Duration elapsed,
+                 const absl::Status& status) override;
+  void OnCollective(const std::string& backend, comm::CollectiveOp op, size_t bytes,
+                    absl::Duration elapsed, const absl::Status& status) override;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_METRICS_H_
