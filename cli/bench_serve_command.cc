@@ -29,6 +29,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/client_credentials.h"
 #include "cli/commands.h"
 #include "common/status_macros.h"
 #include "exl3serve/v1/generation.grpc.pb.h"
@@ -54,9 +55,11 @@ double Quantile(std::vector<double> v, double q) {
   return v[std::min(v.size() - 1, rank == 0 ? 0 : rank - 1)];
 }
 
-absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(v1::Generation::Stub& stub) {
+absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(v1::Generation::Stub& stub,
+                                                     const ClientCredentialOptions& credentials) {
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+  AddCallCredentials(credentials, &context);
   v1::GetServerInfoResponse info;
   const grpc::Status status = stub.GetServerInfo(&context, {}, &info);
   if (!status.ok()) {
@@ -66,10 +69,11 @@ absl::StatusOr<v1::GetServerInfoResponse> ServerInfo(v1::Generation::Stub& stub)
 }
 
 StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& request,
-                       absl::Duration timeout) {
+                       absl::Duration timeout, const ClientCredentialOptions& credentials) {
   StreamResult result;
   grpc::ClientContext context;
   context.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  AddCallCredentials(credentials, &context);
   const absl::Time start = absl::Now();
   absl::Time last = start;
   auto reader = stub.Generate(&context, request);
@@ -104,9 +108,11 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     int64_t vocab = 0;
     uint64_t seed = 1;
     int64_t timeout_s = 600;
+    ClientCredentialOptions credentials;
   };
   auto args = std::make_shared<Args>();
   app.add_option("--addr", args->addr, "server address host:port")->capture_default_str();
+  AddClientCredentialFlags(app, &args->credentials);
   app.add_option("--concurrency", args->concurrency, "streams in flight at once")
       ->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--prompt-len", args->prompt_len, "prompt tokens per request")
@@ -119,12 +125,14 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
   app.add_option("--timeout-s", args->timeout_s, "deadline of each stream")->capture_default_str();
   return [args]() -> absl::Status {
     const int requests = args->requests > 0 ? args->requests : 4 * args->concurrency;
-    auto channel = grpc::CreateChannel(args->addr, grpc::InsecureChannelCredentials());
+    EXL3_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
+                          MakeClientChannel(args->addr, &args->credentials));
     auto stub = v1::Generation::NewStub(channel);
     int64_t vocab = args->vocab;
     if (vocab <= 0) {
       grpc::ClientContext context;
       context.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(10)));
+      AddCallCredentials(args->credentials, &context);
       v1::GetModelInfoResponse model;
       const grpc::Status status = stub->GetModelInfo(&context, {}, &model);
       if (!status.ok()) {
@@ -149,7 +157,7 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
       req.mutable_sampling_params()->set_temperature(0.0f);
     }
 
-    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse before, ServerInfo(*stub));
+    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse before, ServerInfo(*stub, args->credentials));
     std::atomic<int> next{0};
     std::vector<StreamResult> results(requests);
     std::vector<std::thread> clients;
@@ -157,13 +165,13 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     for (int c = 0; c < args->concurrency; ++c) {
       clients.emplace_back([&] {
         for (int r = next.fetch_add(1); r < requests; r = next.fetch_add(1)) {
-          results[r] = RunStream(*stub, prepared[r], absl::Seconds(args->timeout_s));
+          results[r] = RunStream(*stub, prepared[r], absl::Seconds(args->timeout_s), args->credentials);
         }
       });
     }
     for (std::thread& t : clients) t.join();
     const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
-    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse after, ServerInfo(*stub));
+    EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse after, ServerInfo(*stub, args->credentials));
 
     int ok = 0;
     uint64_t tokens = 0;

@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/client_credentials.h"
 #include "cli/commands.h"
 #include "common/status_macros.h"
 #include "exl3serve/v1/generation.grpc.pb.h"
@@ -129,9 +130,11 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
     int top_k = 0;
     int64_t seed = -1;
     int64_t deadline_ms = 0;
+    ClientCredentialOptions credentials;
   };
   auto args = std::make_shared<Args>();
   app.add_option("--addr", args->addr, "server address host:port")->capture_default_str();
+  AddClientCredentialFlags(app, &args->credentials);
   auto* prompt = app.add_option("--prompt", args->prompt, "prompt text (the server tokenizes it)");
   auto* prompt_ids =
       app.add_option("--prompt-ids", args->prompt_ids, "prompt as comma-separated token ids");
@@ -161,14 +164,18 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
   return [args]() -> absl::Status {
     grpc::ChannelArguments channel_args;
     channel_args.SetMaxReceiveMessageSize(64 << 20);
-    auto channel =
-        grpc::CreateCustomChannel(args->addr, grpc::InsecureChannelCredentials(), channel_args);
+    EXL3_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
+                          MakeClientChannel(args->addr, &args->credentials, channel_args));
+    const auto prepare = [args](grpc::ClientContext& context) {
+      AddCallCredentials(args->credentials, &context);
+    };
     auto stub = v1::Generation::NewStub(channel);
 
     if (args->health) {
       if (args->wait_ready_ms > 0) EXL3_RETURN_IF_ERROR(WaitReady(channel, args->wait_ready_ms));
       grpc::ClientContext context;
       SetTimeout(context, args->timeout_ms > 0 ? args->timeout_ms : (args->deep ? 60'000 : 5'000));
+      prepare(context);
       v1::HealthCheckRequest request;
       request.set_deep(args->deep);
       v1::HealthCheckResponse response;
@@ -183,11 +190,13 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
       {
         grpc::ClientContext context;
         SetTimeout(context, args->timeout_ms > 0 ? args->timeout_ms : 10'000);
+        prepare(context);
         EXL3_RETURN_IF_ERROR(FromGrpc(stub->GetModelInfo(&context, {}, &model), "GetModelInfo"));
       }
       {
         grpc::ClientContext context;
         SetTimeout(context, args->timeout_ms > 0 ? args->timeout_ms : 10'000);
+        prepare(context);
         EXL3_RETURN_IF_ERROR(FromGrpc(stub->GetServerInfo(&context, {}, &server), "GetServerInfo"));
       }
       Print(absl::StrCat("{\"model\": ", ToJson(model), ", \"server\": ", ToJson(server), "}\n"));
@@ -222,6 +231,7 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
 
     grpc::ClientContext context;
     SetTimeout(context, args->timeout_ms);
+    prepare(context);
     auto reader = stub->Generate(&context, request);
     v1::GenerateResponse response;
     std::vector<uint32_t> all_ids;

@@ -25,7 +25,12 @@
 //   world_size: 2
 //   expert_parallel: 0
 //   listen_address: 0.0.0.0:50061      # for ranks
-//   api_address: 0.0.0.0:50051         # the public gRPC API (port 0 = any)
+//   api_address: 127.0.0.1:50051       # the public gRPC API (port 0 = any); an
+//                                      # address other than loopback needs tls +
+//                                      # auth_token_file (or tls.client_ca)
+//   tls: {cert: server.pem, key: server.key, client_ca: ""}   # client_ca: mutual TLS
+//   auth_token_file: ""                # clients send `authorization: Bearer <token>`
+//   insecure_listen_any: false         # allow a non-loopback api_address without them
 //   shutdown_grace_ms: 5000            # on SIGINT/SIGTERM, for streams in flight
 //   threads_per_rank: 0                # 0 = each rank's --threads
 //   comm: {backend: shm|ucx, shm_name: "", bootstrap_address: "host:port", ucx_tls: tcp}
@@ -144,7 +149,8 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
   EXL3_RETURN_IF_ERROR(CheckKeys(root, "",
                                  {"model_dir", "local_model_dir", "world_size", "expert_parallel",
                                   "listen_address", "api_address", "shutdown_grace_ms",
-                                  "threads_per_rank", "comm", "kv", "engine", "timeouts"}));
+                                  "threads_per_rank", "comm", "kv", "engine", "timeouts", "tls",
+                                  "auth_token_file", "insecure_listen_any"}));
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
   EXL3_RETURN_IF_ERROR(Read(root, "", "expert_parallel", &o.expert_parallel));
@@ -226,10 +232,27 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
       }
     }
   }
-  std::string api_address = "0.0.0.0:50051";
+  std::string api_address = "127.0.0.1:50051";
   EXL3_RETURN_IF_ERROR(Read(root, "", "api_address", &api_address));
   EXL3_RETURN_IF_ERROR(
       ParseAddress("api_address", api_address, &config.server.host, &config.server.port));
+  if (const YAML::Node tls = root["tls"]; tls.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(CheckKeys(tls, "tls", {"cert", "key", "client_ca"}));
+    EXL3_RETURN_IF_ERROR(Read(tls, "tls", "cert", &config.server.tls.cert_file));
+    EXL3_RETURN_IF_ERROR(Read(tls, "tls", "key", &config.server.tls.key_file));
+    EXL3_RETURN_IF_ERROR(Read(tls, "tls", "client_ca", &config.server.tls.client_ca_file));
+    if (config.server.tls.cert_file.empty() != config.server.tls.key_file.empty()) {
+      return absl::InvalidArgumentError("config keys `tls.cert` and `tls.key` go together");
+    }
+  }
+  EXL3_RETURN_IF_ERROR(Read(root, "", "auth_token_file", &config.server.auth_token_file));
+  EXL3_RETURN_IF_ERROR(Read(root, "", "insecure_listen_any", &config.server.insecure_listen_any));
+  config.server.credentials_hint =
+      "config keys tls.cert and tls.key, with auth_token_file and/or tls.client_ca";
+  if (absl::Status policy = coordinator::CheckListenPolicy(config.server); !policy.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("config key `api_address`: ", policy.message(),
+                                                   " (config key insecure_listen_any)"));
+  }
   EXL3_RETURN_IF_ERROR(Read(root, "", "shutdown_grace_ms", &config.shutdown_grace_ms));
   if (config.shutdown_grace_ms < 0) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -9,9 +9,13 @@
 // --metrics-port P (0 = off) serves the coordinator's Prometheus /metrics on
 // --metrics-host:P and rank r's on P+1+r; it prints "metrics: coordinator
 // URL" and "metrics: rank R URL" once they are bound.
-// SIGINT/SIGTERM: health goes NOT_SERVING, new calls are refused, streams in
-// flight get --shutdown-grace-ms to finish (then they are cancelled), the
-// engine stops its ranks, and the command returns 0.
+// SIGINT/SIGTERM drains: grpc.health.v1 NOT_SERVING ("liveness" stays
+// SERVING), new Generate calls end UNAVAILABLE, streams in flight get up to
+// --shutdown-grace-ms to finish (then they are cancelled), the engine stops
+// its ranks, and the command returns 0 (as soon as the streams are done).
+// Security (coordinator/grpc_server.h): --tls-cert/--tls-key, mutual TLS with
+// --tls-client-ca, a bearer token with --auth-token-file; without them only a
+// loopback --host is accepted (--insecure-listen-any overrides).
 #include <fcntl.h>
 #include <poll.h>
 #include <unistd.h>
@@ -80,6 +84,8 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   args->server.port = 50051;
+  args->server.credentials_hint =
+      "--tls-cert and --tls-key, with --auth-token-file and/or --tls-client-ca";
   app.add_option("--model", args->engine.model_dir, "model directory (EXL3 or Hugging Face)")
       ->required();
   app.add_option("--tp", args->engine.tensor_parallel, "rank processes (tensor parallelism)")
@@ -89,6 +95,14 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_option("--host", args->server.host, "address to listen on (0.0.0.0 = all)")
       ->capture_default_str();
   app.add_option("--port", args->server.port, "TCP port (0 = any free port)")->capture_default_str();
+  app.add_option("--tls-cert", args->server.tls.cert_file, "TLS: the server's PEM certificate (chain)");
+  app.add_option("--tls-key", args->server.tls.key_file, "TLS: its PEM private key");
+  app.add_option("--tls-client-ca", args->server.tls.client_ca_file,
+                 "mutual TLS: accept only clients with a certificate signed by this PEM CA");
+  app.add_option("--auth-token-file", args->server.auth_token_file,
+                 "clients must send `authorization: Bearer <the token in this file>`");
+  app.add_flag("--insecure-listen-any", args->server.insecure_listen_any,
+               "allow a non-loopback --host without TLS and a client check");
   app.add_option("--threads-per-rank", args->engine.threads_per_rank,
                  "kernel threads of each rank process")
       ->capture_default_str();
@@ -124,6 +138,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       ->capture_default_str();
   return [args]() -> absl::Status {
     EXL3_RETURN_IF_ERROR(InstallStopSignals());
+    EXL3_RETURN_IF_ERROR(coordinator::CheckListenPolicy(args->server));
     // Declared before the engine, which reports to it; `attached` (after
     // the engine) stops the scrape-time refresh before the engine goes.
     std::unique_ptr<coordinator::ServingMetrics> metrics;

@@ -9,6 +9,8 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
+#include <algorithm>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -37,6 +39,26 @@ void MergeChunk(const v1::GenerateStreamChunk& from, v1::GenerateStreamChunk* in
   into->set_completion_tokens(from.completion_tokens());
   into->set_cached_tokens(from.cached_tokens());
 }
+
+// Equal iff a == b; the time taken depends on the lengths only, not on
+// where the first difference is (a token guess learns nothing from timing).
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+// A Generate call refused before it reached the engine (no token, draining).
+class RejectedGenerate final : public grpc::ServerWriteReactor<v1::GenerateResponse> {
+ public:
+  explicit RejectedGenerate(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
 
 // One tiny worker thread for calls that block (deep health checks), so that
 // no gRPC callback thread ever waits on the engine. Joined on destruction,
@@ -97,8 +119,12 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   enum class Action { kNone, kWrite, kFinish };
 
  public:
-  GenerateReactor(Engine& engine, v1::GenerateRequest request)
-      : engine_(engine), request_id_(request.request_id()), link_(std::make_shared<Link>()) {
+  // `active` counts calls in flight: incremented by the caller, decremented in OnDone.
+  GenerateReactor(Engine& engine, v1::GenerateRequest request, std::atomic<int>* active)
+      : engine_(engine),
+        request_id_(request.request_id()),
+        link_(std::make_shared<Link>()),
+        active_(active) {
     {
       absl::MutexLock lock(&link_->mu);
       link_->reactor = this;
@@ -172,7 +198,9 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
     // Defensive: a call that ends without the engine's final message (e.g. a
     // server shutdown past its grace) must not leave the request running.
     if (abort) engine_.Abort({request_id_}, "call ended");
+    std::atomic<int>* active = active_;
     delete this;
+    active->fetch_sub(1);
   }
 
  private:
@@ -227,6 +255,7 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
   Engine& engine_;
   const std::string request_id_;
   const std::shared_ptr<Link> link_;
+  std::atomic<int>* const active_;
 
   // Guarded by link_->mu (the annotation cannot name it through the pointer).
   std::deque<v1::GenerateResponse> queue_;
@@ -246,20 +275,39 @@ class GenerateReactor final : public grpc::ServerWriteReactor<v1::GenerateRespon
 class GenerationService::Impl final : public v1::Generation::CallbackService {
  public:
   Impl(Engine& engine, GenerationServiceOptions options)
-      : engine_(engine), options_(std::move(options)) {}
+      : engine_(engine),
+        options_(std::move(options)),
+        expected_authorization_(options_.auth_token.empty()
+                                    ? std::string()
+                                    : absl::StrCat("Bearer ", options_.auth_token)) {}
+
+  void StartDraining() { draining_.store(true); }
+  int active_generate_calls() const { return active_generate_.load(); }
 
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override {
+    if (grpc::Status auth = Authorize(context); !auth.ok()) return new RejectedGenerate(auth);
+    if (draining_.load()) {
+      return new RejectedGenerate(grpc::Status(
+          grpc::StatusCode::UNAVAILABLE,
+          "the server is draining (shutting down): no new requests; retry on another replica"));
+    }
     v1::GenerateRequest copy = *request;
     if (copy.request_id().empty()) {
       copy.set_request_id(absl::StrCat("grpc-", next_id_.fetch_add(1) + 1));
     }
-    return new GenerateReactor(engine_, std::move(copy));
+    active_generate_.fetch_add(1);
+    return new GenerateReactor(engine_, std::move(copy), &active_generate_);
   }
 
   grpc::ServerUnaryReactor* Abort(grpc::CallbackServerContext* context,
                                   const v1::AbortRequest* request,
                                   v1::AbortResponse* response) override {
+    if (grpc::Status auth = Authorize(context); !auth.ok()) {
+      grpc::ServerUnaryReactor* rejected = context->DefaultReactor();
+      rejected->Finish(auth);
+      return rejected;
+    }
     std::vector<std::string> ids(request->request_ids().begin(), request->request_ids().end());
     const std::string reason = request->reason().empty() ? "Abort RPC" : request->reason();
     response->set_aborted(static_cast<uint32_t>(engine_.Abort(ids, reason)));
@@ -271,7 +319,18 @@ class GenerationService::Impl final : public v1::Generation::CallbackService {
   grpc::ServerUnaryReactor* HealthCheck(grpc::CallbackServerContext* context,
                                         const v1::HealthCheckRequest* request,
                                         v1::HealthCheckResponse* response) override {
+    if (grpc::Status auth = Authorize(context); !auth.ok()) {
+      grpc::ServerUnaryReactor* rejected = context->DefaultReactor();
+      rejected->Finish(auth);
+      return rejected;
+    }
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (draining_.load()) {
+      response->set_healthy(false);
+      response->set_message("draining: finishing the streams in flight, admitting none");
+      reactor->Finish(grpc::Status::OK);
+      return reactor;
+    }
     if (!request->deep()) {
       const bool ready = engine_.ready();
       response->set_healthy(ready);
@@ -297,6 +356,11 @@ class GenerationService::Impl final : public v1::Generation::CallbackService {
   grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
                                          const v1::GetModelInfoRequest* /*request*/,
                                          v1::GetModelInfoResponse* response) override {
+    if (grpc::Status auth = Authorize(context); !auth.ok()) {
+      grpc::ServerUnaryReactor* rejected = context->DefaultReactor();
+      rejected->Finish(auth);
+      return rejected;
+    }
     *response = engine_.GetModelInfo();
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
@@ -306,6 +370,11 @@ class GenerationService::Impl final : public v1::Generation::CallbackService {
   grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
                                           const v1::GetServerInfoRequest* /*request*/,
                                           v1::GetServerInfoResponse* response) override {
+    if (grpc::Status auth = Authorize(context); !auth.ok()) {
+      grpc::ServerUnaryReactor* rejected = context->DefaultReactor();
+      rejected->Finish(auth);
+      return rejected;
+    }
     *response = engine_.GetServerInfo();
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     reactor->Finish(grpc::Status::OK);
@@ -313,8 +382,27 @@ class GenerationService::Impl final : public v1::Generation::CallbackService {
   }
 
  private:
+  // OK when no token is configured or the call carries the right one.
+  grpc::Status Authorize(grpc::CallbackServerContext* context) const {
+    if (expected_authorization_.empty()) return grpc::Status::OK;
+    bool ok = false;
+    auto range = context->client_metadata().equal_range("authorization");
+    for (auto it = range.first; it != range.second; ++it) {
+      ok |= ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                               expected_authorization_);
+    }
+    if (ok) return grpc::Status::OK;
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        range.first == range.second
+                            ? "missing bearer token (metadata `authorization: Bearer <token>`)"
+                            : "wrong bearer token");
+  }
+
   Engine& engine_;
   const GenerationServiceOptions options_;
+  const std::string expected_authorization_;  // "Bearer <token>", or empty: no check
+  std::atomic<bool> draining_{false};
+  std::atomic<int> active_generate_{0};
   std::atomic<uint64_t> next_id_{0};
   BlockingWorker worker_;  // last: joined first on destruction
 };
@@ -325,5 +413,9 @@ GenerationService::GenerationService(Engine& engine, GenerationServiceOptions op
 GenerationService::~GenerationService() = default;
 
 grpc::Service* GenerationService::grpc_service() { return impl_.get(); }
+
+void GenerationService::StartDraining() { impl_->StartDraining(); }
+
+int GenerationService::active_generate_calls() const { return impl_->active_generate_calls(); }
 
 }  // namespace exl3serve::coordinator

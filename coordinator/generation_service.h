@@ -32,6 +32,7 @@
 #define EXL3SERVE_COORDINATOR_GENERATION_SERVICE_H_
 
 #include <memory>
+#include <string>
 
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
@@ -46,6 +47,11 @@ struct GenerationServiceOptions {
   // Upper bound of a deep health check when the client's deadline is later
   // (or unset); a deep check is a one-token forward through every rank.
   absl::Duration deep_health_timeout = absl::Seconds(30);
+  // When non-empty, every exl3serve.v1.Generation call must carry the
+  // metadata `authorization: Bearer <auth_token>` (compared in constant
+  // time), else it ends UNAUTHENTICATED before reaching the engine. The
+  // standard grpc.health.v1 service stays open for probes.
+  std::string auth_token;
 };
 
 class GenerationService {
@@ -58,6 +64,12 @@ class GenerationService {
 
   // The gRPC service to register on a grpc::ServerBuilder; owned by this object.
   grpc::Service* grpc_service();
+
+  // Drain: from now on Generate ends at once with UNAVAILABLE ("draining")
+  // and the shallow HealthCheck says unhealthy; calls in flight go on.
+  void StartDraining();
+  // Generate calls in flight (created and not yet done).
+  int active_generate_calls() const;
 
  private:
   class Impl;

@@ -3,19 +3,38 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 
+#include <arpa/inet.h>
+
+#include <algorithm>
 #include <chrono>
+#include <fstream>
+#include <sstream>
 #include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "common/status_macros.h"
 
 namespace exl3serve::coordinator {
 namespace {
 
 // The fully qualified name of our service, as the health service knows it.
 constexpr char kGenerationServiceName[] = "exl3serve.v1.Generation";
+// Stays SERVING while the process is up, draining included (liveness probe).
+constexpr char kLivenessServiceName[] = "liveness";
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " ", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  if (text.str().empty()) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, " is empty"));
+  return text.str();
+}
 
 std::string JoinHostPort(const std::string& host, int port) {
   if (host.find(':') != std::string::npos && host.front() != '[') {
@@ -24,12 +43,55 @@ std::string JoinHostPort(const std::string& host, int port) {
   return absl::StrCat(host, ":", port);
 }
 
+// The service options with the token read from auth_token_file.
+absl::StatusOr<GenerationServiceOptions> ServiceOptions(const GrpcServerOptions& options) {
+  GenerationServiceOptions service = options.service;
+  if (!options.auth_token_file.empty()) {
+    absl::StatusOr<std::string> token = ReadFile(options.auth_token_file, "the auth token file");
+    if (!token.ok()) return token.status();
+    service.auth_token = std::string(absl::StripAsciiWhitespace(*token));
+    if (service.auth_token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the auth token file ", options.auth_token_file, " holds only whitespace"));
+    }
+  }
+  return service;
+}
+
 }  // namespace
+
+bool IsLoopbackHost(const std::string& host) {
+  std::string h = host;
+  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
+  if (absl::AsciiStrToLower(h) == "localhost") return true;
+  in_addr v4;
+  if (::inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  if (::inet_pton(AF_INET6, h.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
+  return false;
+}
+
+absl::Status CheckListenPolicy(const GrpcServerOptions& options) {
+  const bool client_check = !options.auth_token_file.empty() ||
+                            !options.service.auth_token.empty() ||
+                            !options.tls.client_ca_file.empty();
+  if (IsLoopbackHost(options.host) || options.insecure_listen_any ||
+      (options.tls.enabled() && client_check)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to listen on ", options.host,
+      " without credentials: an address other than loopback needs TLS and a client check (",
+      options.credentials_hint, "); listen on 127.0.0.1, or accept the risk with ",
+      "--insecure-listen-any"));
+}
 
 class GrpcServer::Impl {
  public:
-  Impl(Engine& engine, const GrpcServerOptions& options)
-      : engine_(engine), options_(options), service_(engine, options.service) {}
+  Impl(Engine& engine, const GrpcServerOptions& options, GenerationServiceOptions service)
+      : engine_(engine),
+        options_(options),
+        service_(engine, std::move(service)) {}
 
   ~Impl() { Shutdown(absl::Seconds(5)); }
 
@@ -39,7 +101,27 @@ class GrpcServer::Impl {
     const std::string wanted = JoinHostPort(options_.host, options_.port);
     // No SO_REUSEPORT: a second server on a busy port must fail, not share it.
     builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-    builder.AddListeningPort(wanted, grpc::InsecureServerCredentials(), &port_);
+    std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+    const ServerTlsOptions& tls = options_.tls;
+    if (tls.enabled()) {
+      if (tls.cert_file.empty() || tls.key_file.empty()) {
+        return absl::InvalidArgumentError("TLS needs both a certificate and its private key");
+      }
+      EXL3_ASSIGN_OR_RETURN(std::string cert, ReadFile(tls.cert_file, "the TLS certificate"));
+      EXL3_ASSIGN_OR_RETURN(std::string key, ReadFile(tls.key_file, "the TLS private key"));
+      grpc::SslServerCredentialsOptions ssl(
+          tls.client_ca_file.empty() ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                     : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      if (!tls.client_ca_file.empty()) {
+        EXL3_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(tls.client_ca_file, "the client CA"));
+      }
+      ssl.pem_key_cert_pairs.push_back({key, cert});
+      credentials = grpc::SslServerCredentials(ssl);
+    } else if (!tls.client_ca_file.empty()) {
+      return absl::InvalidArgumentError("a client CA (mutual TLS) needs TLS: a certificate and key");
+    }
+    EXL3_RETURN_IF_ERROR(CheckListenPolicy(options_));
+    builder.AddListeningPort(wanted, credentials, &port_);
     builder.RegisterService(service_.grpc_service());
     server_ = builder.BuildAndStart();
     if (server_ == nullptr || port_ == 0) {
@@ -48,6 +130,9 @@ class GrpcServer::Impl {
           "cannot listen on ", wanted, " (port in use, or no such local address; --port 0 picks a free port)"));
     }
     address_ = JoinHostPort(options_.host, port_);
+    if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
+      health->SetServingStatus(kLivenessServiceName, true);
+    }
     SetServing(engine_.ready());
     poller_ = std::thread([this] { PollReadiness(); });
     return absl::OkStatus();
@@ -60,11 +145,21 @@ class GrpcServer::Impl {
       stopping_ = true;
     }
     if (poller_.joinable()) poller_.join();
+    // Drain: readiness false, liveness true, new Generate calls UNAVAILABLE,
+    // the streams in flight go on for up to `grace`.
+    const absl::Time deadline = absl::Now() + grace;
+    SetServing(false);
+    service_.StartDraining();
+    while (service_.active_generate_calls() > 0 && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     // NOT_SERVING for every service, and later SetServingStatus calls are ignored.
     if (grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService()) {
       health->Shutdown();
     }
-    server_->Shutdown(absl::ToChronoTime(absl::Now() + grace));
+    // What is left (streams past the grace, unary calls) gets a moment, then
+    // is cancelled.
+    server_->Shutdown(absl::ToChronoTime(std::max(deadline, absl::Now() + absl::Milliseconds(200))));
     server_->Wait();
     server_.reset();
   }
@@ -76,7 +171,8 @@ class GrpcServer::Impl {
   void SetServing(bool serving) {
     grpc::HealthCheckServiceInterface* health = server_->GetHealthCheckService();
     if (health == nullptr) return;
-    health->SetServingStatus(serving);
+    // By name: SetServingStatus(bool) would set every service, "liveness" too.
+    health->SetServingStatus("", serving);
     health->SetServingStatus(kGenerationServiceName, serving);
   }
 
@@ -111,7 +207,8 @@ class GrpcServer::Impl {
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(Engine& engine,
                                                               const GrpcServerOptions& options) {
-  auto impl = std::make_unique<Impl>(engine, options);
+  EXL3_ASSIGN_OR_RETURN(GenerationServiceOptions service, ServiceOptions(options));
+  auto impl = std::make_unique<Impl>(engine, options, std::move(service));
   absl::Status status = impl->Start();
   if (!status.ok()) return status;
   return std::unique_ptr<GrpcServer>(new GrpcServer(std::move(impl)));

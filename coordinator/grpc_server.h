@@ -25,6 +25,16 @@
 
 namespace exl3serve::coordinator {
 
+// TLS of the public API. cert_file + key_file (PEM) turn TLS on; with
+// client_ca_file the server asks for a client certificate and accepts only
+// one signed by that CA (mutual TLS).
+struct ServerTlsOptions {
+  std::string cert_file;
+  std::string key_file;
+  std::string client_ca_file;
+  bool enabled() const { return !cert_file.empty() || !key_file.empty(); }
+};
+
 struct GrpcServerOptions {
   // Address to listen on (a name, IPv4 or IPv6 literal; "0.0.0.0" = all).
   std::string host = "127.0.0.1";
@@ -34,7 +44,25 @@ struct GrpcServerOptions {
   // sees a change within a tenth of a second, at ten cheap calls a second.
   absl::Duration readiness_poll_interval = absl::Milliseconds(100);
   GenerationServiceOptions service;
+  ServerTlsOptions tls;
+  // A file holding the clients' bearer token (surrounding whitespace
+  // trimmed); sets service.auth_token. "" = none.
+  std::string auth_token_file;
+  // Without credentials the server listens on loopback only: a host that is
+  // not loopback (127.0.0.0/8, ::1, localhost) needs TLS and a client check
+  // (a bearer token or a client CA), unless this is set.
+  bool insecure_listen_any = false;
+  // How the caller names the settings, for error messages.
+  std::string credentials_hint =
+      "--tls-cert, --tls-key and --auth-token-file (or --tls-client-ca)";
 };
+
+// True for 127.0.0.0/8, ::1 and "localhost".
+bool IsLoopbackHost(const std::string& host);
+
+// The loopback-only rule above, on the options alone (Start checks it too;
+// callers check it before slow setup). FailedPrecondition naming the host.
+absl::Status CheckListenPolicy(const GrpcServerOptions& options);
 
 class GrpcServer {
  public:
@@ -53,9 +81,13 @@ class GrpcServer {
   int port() const;
   std::string address() const;
 
-  // Health goes NOT_SERVING, new calls are refused, calls in flight get
-  // `grace` to finish and are then cancelled (their requests aborted).
-  // Returns once every call is done. Idempotent.
+  // Drains, then stops. Health ("" and exl3serve.v1.Generation) goes
+  // NOT_SERVING while the service "liveness" stays SERVING; the server keeps
+  // answering, new Generate calls end UNAVAILABLE ("draining"); Generate
+  // calls in flight get up to `grace` to finish. Then the server shuts down
+  // (calls still running are cancelled, their requests aborted). Returns
+  // once every call is done; as soon as the streams are, not after `grace`.
+  // Idempotent.
   void Shutdown(absl::Duration grace);
 
  private:

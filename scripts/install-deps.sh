@@ -7,10 +7,11 @@ APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3)
 PKGS=(build-essential cmake ninja-build pkg-config
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       libucx-dev ucx-utils nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libyaml-cpp-dev libcli11-dev libicu-dev python3-numpy python3-jinja2 prometheus prometheus-cpp-dev iproute2
+      libyaml-cpp-dev libcli11-dev libicu-dev python3-numpy python3-jinja2 prometheus prometheus-cpp-dev iproute2 openssl
       python3-grpcio python3-protobuf   # the Python gRPC client of tests/cli/serve_e2e_test.sh (/usr/bin/python3)
       clang libclang-rt-14-dev
       libopenblas-dev   # optional: the dense baseline of tests/bench/trellis_gemv_bench
+      yamllint   # tests/cli/deploy_manifests_test.sh
       libopenmpi-dev openmpi-bin)  # optional: the MPI baseline of tests/bench/allreduce_bench
 missing=()
 for p in "${PKGS[@]}"; do
