@@ -29,6 +29,7 @@ CommandRunner RegisterImportLlama2cCommand(CLI::App& app);
 CommandRunner RegisterPlanCommand(CLI::App& app);  // shard plan of a model over N ranks
 CommandRunner RegisterWorkerCommand(CLI::App& app);
 CommandRunner RegisterCoordinatorCommand(CLI::App& app);  // rank endpoint of a cluster
+CommandRunner RegisterLaunchCommand(CLI::App& app);       // one box of a cluster YAML
 CommandRunner RegisterServeCommand(CLI::App& app);       // coordinator + local ranks + gRPC API
 CommandRunner RegisterClientCommand(CLI::App& app);      // gRPC client of a running server
 CommandRunner RegisterBenchServeCommand(CLI::App& app);  // load test over the gRPC API

@@ -51,6 +51,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "cli/commands.h"
+#include "cli/coordinator_run.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "coordinator/grpc_server.h"
@@ -150,7 +151,8 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
                                  {"model_dir", "local_model_dir", "world_size", "expert_parallel",
                                   "listen_address", "api_address", "shutdown_grace_ms",
                                   "threads_per_rank", "comm", "kv", "engine", "timeouts", "tls",
-                                  "auth_token_file", "insecure_listen_any"}));
+                                  "auth_token_file", "insecure_listen_any",
+                                  "boxes"}));  // boxes: `exl3serve launch` (cli/launch_command.cc)
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
   EXL3_RETURN_IF_ERROR(Read(root, "", "expert_parallel", &o.expert_parallel));
@@ -319,6 +321,23 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
       "is loaded); ranks join with `exl3serve worker --coordinator HOST:PORT --rank R --reconnect`.\n"
       "Example config: deploy/cluster/local-2-ranks.yaml");
   return [config, port_file, metrics_port, metrics_host]() -> absl::Status {
+    return RunCoordinator(CoordinatorRunOptions{.config = *config,
+                                                .port_file = *port_file,
+                                                .metrics_port = *metrics_port,
+                                                .metrics_host = *metrics_host});
+  };
+}
+
+absl::Status CheckCoordinatorConfig(const std::string& file) {
+  return LoadConfig(file).status();
+}
+
+absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
+  const std::string* config = &options.config;
+  const std::string* port_file = &options.port_file;
+  const int* metrics_port = &options.metrics_port;
+  const std::string* metrics_host = &options.metrics_host;
+  {
     EXL3_ASSIGN_OR_RETURN(CoordinatorConfig cfg, LoadConfig(*config));
     StopSignal stop;  // before any thread starts, so they inherit the mask
     EXL3_ASSIGN_OR_RETURN(coordinator::EngineModel model, coordinator::LoadEngineModel(&cfg.engine));
@@ -400,7 +419,7 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
     engine->Shutdown();
     std::printf("stopped\n");
     return absl::OkStatus();
-  };
+  }
 }
 
 }  // namespace exl3serve::cli

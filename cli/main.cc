@@ -53,6 +53,8 @@ int main(int argc, char** argv) {
       "load-test a running server: throughput, TTFT and inter-token latency p50/p99");
   add(exl3serve::cli::RegisterCoordinatorCommand, "coordinator",
       "the cluster coordinator: ranks (`worker --coordinator`) on any box register here");
+  add(exl3serve::cli::RegisterLaunchCommand, "launch",
+      "start one box of a cluster YAML (boxes:): its ranks, and the coordinator on its box");
   app.require_subcommand(0, 1);
 
   try {

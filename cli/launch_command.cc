@@ -1,0 +1,364 @@
+// `exl3serve launch --config cluster.yaml --box NAME`: starts one box's
+// processes of the cluster the YAML describes. The coordinator runs in this
+// process when NAME is the coordinator's box (the code path of `exl3serve
+// coordinator --config`, cli/coordinator_run.h); every rank of the box is a
+// child process `exl3serve worker --coordinator HOST:PORT --rank R
+// --world-size N --reconnect` (HOST = the coordinator box's address, PORT =
+// the port of listen_address). A rank that exits is restarted (after 1 s,
+// doubling up to 10 s while it keeps failing fast); the children get SIGKILL
+// if launch dies (PR_SET_PDEATHSIG) and SIGTERM, then SIGKILL after 10 s,
+// when launch stops on SIGINT/SIGTERM.
+//
+// The config is the coordinator's (cli/coordinator_command.cc) plus:
+//   boxes:
+//     - name: lead                # --box NAME
+//       address: 10.0.0.1         # how the other boxes reach this one
+//       coordinator: true         # exactly one box
+//       metrics_port: 9400        # optional: coordinator /metrics (on address)
+//     - name: a
+//       address: 10.0.0.2
+//       ranks: [0]                # rank ids of this box, 0 <= r < world_size,
+//                                 # each on exactly one box
+//       rank_metrics_ports: [9401]  # optional: /metrics of each rank, same order
+// Errors name the key (`boxes[1].ranks[0]`).
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "CLI/CLI.hpp"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "cli/commands.h"
+#include "cli/coordinator_run.h"
+#include "common/status_macros.h"
+#include "yaml-cpp/yaml.h"
+
+namespace exl3serve::cli {
+namespace {
+
+struct Box {
+  std::string name;
+  std::string address;
+  bool coordinator = false;
+  int metrics_port = 0;
+  std::vector<int> ranks;
+  std::vector<int> rank_metrics_ports;
+};
+
+struct LaunchPlan {
+  int world_size = 0;
+  std::string coordinator_address;  // HOST:PORT of the rank endpoint
+  std::vector<Box> boxes;
+};
+
+absl::Status KeyError(const std::string& key, const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("config key `", key, "` ", what));
+}
+
+template <typename T>
+absl::Status ReadKey(const YAML::Node& node, const std::string& key, T* out) {
+  try {
+    *out = node.as<T>();
+  } catch (const YAML::Exception&) {
+    return KeyError(key, absl::StrCat("has a value of the wrong type: ", YAML::Dump(node)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadIntList(const YAML::Node& node, const std::string& key, std::vector<int>* out) {
+  if (!node.IsSequence()) return KeyError(key, "must be a list");
+  for (size_t i = 0; i < node.size(); ++i) {
+    int v = 0;
+    EXL3_RETURN_IF_ERROR(ReadKey(node[i], absl::StrCat(key, "[", i, "]"), &v));
+    out->push_back(v);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
+  // Every coordinator key is validated the coordinator's way first.
+  EXL3_RETURN_IF_ERROR(CheckCoordinatorConfig(file));
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(file);
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(file, ": ", e.what()));
+  }
+  LaunchPlan plan;
+  EXL3_RETURN_IF_ERROR(ReadKey(root["world_size"], "world_size", &plan.world_size));
+  const YAML::Node boxes = root["boxes"];
+  if (!boxes.IsDefined() || !boxes.IsSequence() || boxes.size() == 0) {
+    return KeyError("boxes", "must be a non-empty list of {name, address, ranks} (launch needs it)");
+  }
+  std::map<int, std::string> rank_box;
+  std::set<std::string> names;
+  const Box* coordinator_box = nullptr;
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const YAML::Node b = boxes[i];
+    const std::string path = absl::StrCat("boxes[", i, "]");
+    if (!b.IsMap()) return KeyError(path, "must be a mapping");
+    for (const auto& entry : b) {
+      const std::string key = entry.first.as<std::string>();
+      static const std::set<std::string> kKnown = {"name", "address", "coordinator",
+                                                   "metrics_port", "ranks", "rank_metrics_ports"};
+      if (kKnown.count(key) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("unknown config key `", path, ".", key, "`"));
+      }
+    }
+    Box box;
+    if (!b["name"].IsDefined()) return KeyError(path + ".name", "is required");
+    EXL3_RETURN_IF_ERROR(ReadKey(b["name"], path + ".name", &box.name));
+    if (box.name.empty() || !names.insert(box.name).second) {
+      return KeyError(path + ".name", absl::StrCat("must be unique and non-empty, got \"", box.name, "\""));
+    }
+    if (!b["address"].IsDefined()) return KeyError(path + ".address", "is required");
+    EXL3_RETURN_IF_ERROR(ReadKey(b["address"], path + ".address", &box.address));
+    if (box.address.empty()) return KeyError(path + ".address", "must not be empty");
+    if (b["coordinator"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadKey(b["coordinator"], path + ".coordinator", &box.coordinator));
+    }
+    if (b["metrics_port"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadKey(b["metrics_port"], path + ".metrics_port", &box.metrics_port));
+      if (box.metrics_port < 0 || box.metrics_port > 65535) {
+        return KeyError(path + ".metrics_port", "must be 0..65535");
+      }
+    }
+    if (b["ranks"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadIntList(b["ranks"], path + ".ranks", &box.ranks));
+    }
+    for (size_t j = 0; j < box.ranks.size(); ++j) {
+      const int r = box.ranks[j];
+      const std::string key = absl::StrCat(path, ".ranks[", j, "]");
+      if (r < 0 || r >= plan.world_size) {
+        return KeyError(key, absl::StrCat("must be in [0, world_size=", plan.world_size, "), got ", r));
+      }
+      if (auto [it, inserted] = rank_box.emplace(r, box.name); !inserted) {
+        return KeyError(key, absl::StrCat("rank ", r, " is already on box \"", it->second, "\""));
+      }
+    }
+    if (b["rank_metrics_ports"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(
+          ReadIntList(b["rank_metrics_ports"], path + ".rank_metrics_ports", &box.rank_metrics_ports));
+      if (box.rank_metrics_ports.size() != box.ranks.size()) {
+        return KeyError(path + ".rank_metrics_ports", "must have one port per entry of ranks");
+      }
+    }
+    plan.boxes.push_back(std::move(box));
+  }
+  for (const Box& box : plan.boxes) {
+    if (!box.coordinator) continue;
+    if (coordinator_box != nullptr) {
+      return KeyError("boxes[].coordinator", absl::StrCat("is true on two boxes (\"",
+                                                          coordinator_box->name, "\", \"", box.name, "\")"));
+    }
+    coordinator_box = &box;
+  }
+  if (coordinator_box == nullptr) return KeyError("boxes[].coordinator", "must be true on one box");
+  for (int r = 0; r < plan.world_size; ++r) {
+    if (rank_box.count(r) == 0) {
+      return KeyError("boxes[].ranks", absl::StrCat("must place every rank; rank ", r, " is on no box"));
+    }
+  }
+  std::string listen = "0.0.0.0:50061";
+  if (root["listen_address"].IsDefined()) {
+    EXL3_RETURN_IF_ERROR(ReadKey(root["listen_address"], "listen_address", &listen));
+  }
+  const size_t colon = listen.rfind(':');
+  const std::string port = colon == std::string::npos ? "" : listen.substr(colon + 1);
+  if (port.empty() || port == "0") {
+    return KeyError("listen_address", "needs a fixed port for launch (the ranks dial it)");
+  }
+  const std::string& host = coordinator_box->address;
+  plan.coordinator_address =
+      host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port)
+                                          : absl::StrCat(host, ":", port);
+  return plan;
+}
+
+// One rank child process, restarted when it exits.
+struct Child {
+  int rank = 0;
+  std::vector<std::string> argv;
+  pid_t pid = -1;
+  absl::Time started;
+  absl::Time restart_at;
+  absl::Duration backoff = absl::Seconds(1);
+};
+
+pid_t Spawn(const std::vector<std::string>& args) {
+  std::vector<char*> argv;
+  for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);
+    sigset_t none;
+    sigemptyset(&none);
+    pthread_sigmask(SIG_SETMASK, &none, nullptr);
+    execv("/proc/self/exe", argv.data());
+    std::fprintf(stderr, "launch: exec /proc/self/exe: %s\n", std::strerror(errno));
+    _exit(127);
+  }
+  return pid;
+}
+
+// Starts, watches and restarts the box's ranks on a thread of its own (the
+// thread that forks must live as long as the children: PR_SET_PDEATHSIG).
+class Supervisor {
+ public:
+  explicit Supervisor(std::vector<Child> children) : children_(std::move(children)) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~Supervisor() { Stop(); }
+  void Stop() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+ private:
+  void Loop() {
+    for (Child& c : children_) Start(c);
+    while (!stop_) {
+      for (Child& c : children_) {
+        if (c.pid > 0) {
+          int status = 0;
+          if (waitpid(c.pid, &status, WNOHANG) == c.pid) {
+            const bool fast = absl::Now() - c.started < absl::Seconds(10);
+            c.backoff = fast ? std::min(c.backoff * 2, absl::Seconds(10)) : absl::Seconds(1);
+            std::printf("launch: rank %d (pid %d) exited (%s %d); restarting in %.0f s\n", c.rank,
+                        static_cast<int>(c.pid), WIFSIGNALED(status) ? "signal" : "status",
+                        WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status),
+                        absl::ToDoubleSeconds(c.backoff / 2));
+            std::fflush(stdout);
+            c.pid = -1;
+            c.restart_at = absl::Now() + c.backoff / 2;
+          }
+        } else if (absl::Now() >= c.restart_at) {
+          Start(c);
+        }
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    for (Child& c : children_) {
+      if (c.pid > 0) kill(c.pid, SIGTERM);
+    }
+    const absl::Time deadline = absl::Now() + absl::Seconds(10);
+    for (Child& c : children_) {
+      while (c.pid > 0) {
+        int status = 0;
+        if (waitpid(c.pid, &status, WNOHANG) != 0) {
+          c.pid = -1;
+        } else if (absl::Now() > deadline) {
+          kill(c.pid, SIGKILL);
+          waitpid(c.pid, &status, 0);
+          c.pid = -1;
+        } else {
+          absl::SleepFor(absl::Milliseconds(50));
+        }
+      }
+    }
+    std::printf("launch: ranks stopped\n");
+    std::fflush(stdout);
+  }
+  void Start(Child& c) {
+    c.pid = Spawn(c.argv);
+    c.started = absl::Now();
+    if (c.pid < 0) {
+      std::fprintf(stderr, "launch: fork: %s\n", std::strerror(errno));
+      c.restart_at = absl::Now() + absl::Seconds(1);
+      return;
+    }
+    std::printf("launch: rank %d started (pid %d)\n", c.rank, static_cast<int>(c.pid));
+    std::fflush(stdout);
+  }
+
+  std::vector<Child> children_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace
+
+CommandRunner RegisterLaunchCommand(CLI::App& app) {
+  auto config = std::make_shared<std::string>();
+  auto box_name = std::make_shared<std::string>();
+  auto port_file = std::make_shared<std::string>();
+  auto threads = std::make_shared<int>(0);
+  app.add_option("--config", *config, "cluster config (YAML with a boxes: section)")->required();
+  app.add_option("--box", *box_name, "the box to start (boxes[].name)")->required();
+  app.add_option("--port-file", *port_file, "coordinator box: write the bound rank port here");
+  app.add_option("--threads", *threads, "kernel threads of each rank (0 = the worker default)");
+  app.footer("Keys: cli/launch_command.cc (boxes) and cli/coordinator_command.cc (the rest).");
+  return [config, box_name, port_file, threads]() -> absl::Status {
+    EXL3_ASSIGN_OR_RETURN(LaunchPlan plan, LoadPlan(*config));
+    const Box* box = nullptr;
+    for (const Box& b : plan.boxes) {
+      if (b.name == *box_name) box = &b;
+    }
+    if (box == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--box ", *box_name, ": no such box in config key `boxes`"));
+    }
+    // Block the stop signals before any thread starts (children unblock them).
+    sigset_t stop_set;
+    sigemptyset(&stop_set);
+    sigaddset(&stop_set, SIGINT);
+    sigaddset(&stop_set, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_set, nullptr);
+
+    std::vector<Child> children;
+    for (size_t i = 0; i < box->ranks.size(); ++i) {
+      Child c;
+      c.rank = box->ranks[i];
+      c.argv = {"exl3serve", "worker", "--coordinator", plan.coordinator_address, "--rank",
+                std::to_string(c.rank), "--world-size", std::to_string(plan.world_size),
+                "--reconnect"};
+      if (*threads > 0) {
+        c.argv.push_back("--threads");
+        c.argv.push_back(std::to_string(*threads));
+      }
+      if (i < box->rank_metrics_ports.size() && box->rank_metrics_ports[i] > 0) {
+        c.argv.insert(c.argv.end(), {"--metrics-port", std::to_string(box->rank_metrics_ports[i]),
+                                     "--metrics-host", box->address});
+      }
+      children.push_back(std::move(c));
+    }
+    std::printf("launch: box %s: %s%zu rank(s), coordinator %s\n", box->name.c_str(),
+                box->coordinator ? "the coordinator and " : "", children.size(),
+                plan.coordinator_address.c_str());
+    std::fflush(stdout);
+    Supervisor supervisor(std::move(children));
+    absl::Status status;
+    if (box->coordinator) {
+      status = RunCoordinator(CoordinatorRunOptions{
+          .config = *config,
+          .port_file = *port_file,
+          .metrics_port = box->metrics_port,
+          .metrics_host = box->metrics_port > 0 ? box->address : "127.0.0.1"});
+    } else {
+      while (sigwaitinfo(&stop_set, nullptr) < 0 && errno == EINTR) {
+      }
+      std::printf("launch: stopping\n");
+      std::fflush(stdout);
+    }
+    supervisor.Stop();
+    return status;
+  };
+}
+
+}  // namespace exl3serve::cli
