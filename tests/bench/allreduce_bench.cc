@@ -25,7 +25,8 @@
 // Flags: --min-bytes=1024 --max-bytes=67108864 --factor=4 --dtypes=f32,bf16
 // --one-shot-max-bytes=N --slot-bytes=N --spin=N --yield=N (ShmOptions; default: the
 // library's defaults) --budget-bytes=1073741824 --min-iters=10 --max-iters=2000
-// --warmup=5 --no-mpi (ours only) --check (verify the sums once per size).
+// --warmup=5 --no-mpi (ours only) --check (verify the sums once per size)
+// --backend=shm|ucx (ucx: UCX over TCP on loopback, bootstrap port sent by MPI).
 #include <mpi.h>
 #include <unistd.h>
 
@@ -43,6 +44,8 @@
 #include "worker/comm/communicator.h"
 #include "worker/comm/reduce_sum.h"
 #include "worker/comm/shm_communicator.h"
+#include "worker/comm/tcp_bootstrap.h"
+#include "worker/comm/ucx_communicator.h"
 
 namespace exl3serve::worker::comm {
 namespace {
@@ -63,6 +66,7 @@ struct Flags {
   int warmup = 5;
   bool mpi = true;
   bool check = false;
+  std::string backend = "shm";  // shm | ucx (UCX over TCP, loopback)
 };
 
 bool ParseFlag(const std::string& arg, const char* name, std::string* value) {
@@ -102,6 +106,8 @@ Flags ParseFlags(int argc, char** argv, int rank) {
       f.max_iters = std::stoi(v);
     } else if (ParseFlag(a, "warmup", &v)) {
       f.warmup = std::stoi(v);
+    } else if (ParseFlag(a, "backend", &v)) {
+      f.backend = v;
     } else if (a == "--no-mpi") {
       f.mpi = false;
     } else if (a == "--check") {
@@ -172,7 +178,42 @@ int Run(int argc, char** argv) {
   options.spin_iterations = flags.spin;
   options.yield_iterations = flags.yield;
   options.join_deadline = Deadline(absl::Seconds(60));
-  absl::StatusOr<std::unique_ptr<Communicator>> created = CreateShmCommunicator(options);
+  absl::StatusOr<std::unique_ptr<Communicator>> created;
+  size_t ucx_one_shot_max_bytes = 0;
+  if (flags.backend == "ucx") {
+    // UCX over TCP on loopback: rank 0's bootstrap port travels by MPI.
+    TcpBootstrapOptions boot;
+    boot.rank = rank;
+    boot.world_size = world;
+    boot.host = "127.0.0.1";
+    std::unique_ptr<TcpBootstrap> bootstrap;
+    int port = 0;
+    if (rank == 0) {
+      auto b = TcpBootstrap::Create(boot, Deadline(absl::Seconds(60)));
+      if (!b.ok()) {
+        std::fprintf(stderr, "rank 0: %s\n", b.status().ToString().c_str());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      bootstrap = std::move(*b);
+      port = bootstrap->port();
+    }
+    MPI_Bcast(&port, 1, MPI_INT, 0, MPI_COMM_WORLD);
+    if (rank != 0) {
+      boot.port = static_cast<uint16_t>(port);
+      auto b = TcpBootstrap::Create(boot, Deadline(absl::Seconds(60)));
+      if (!b.ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", rank, b.status().ToString().c_str());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+      }
+      bootstrap = std::move(*b);
+    }
+    UcxOptions ucx;
+    ucx.tls = "tcp";
+    ucx_one_shot_max_bytes = ucx.one_shot_max_bytes;
+    created = CreateUcxCommunicator(ucx, *bootstrap);
+  } else {
+    created = CreateShmCommunicator(options);
+  }
   if (!created.ok()) {
     std::fprintf(stderr, "rank %d: %s\n", rank, created.status().ToString().c_str());
     if (rank == 0) UnlinkShmSegment(name);
@@ -180,7 +221,8 @@ int Run(int argc, char** argv) {
   }
   Communicator& comm = **created;
   const size_t one_shot_max_bytes =
-      flags.one_shot_max_bytes == kShmAutoOneShot
+      flags.backend == "ucx" ? ucx_one_shot_max_bytes
+      : flags.one_shot_max_bytes == kShmAutoOneShot
           ? std::min(ShmAutoOneShotMaxBytes(world), flags.slot_bytes)
           : flags.one_shot_max_bytes;
 
@@ -190,9 +232,9 @@ int Run(int argc, char** argv) {
   if (rank == 0) {
     char host[256] = {};
     gethostname(host, sizeof(host) - 1);
-    std::printf("allreduce_bench: %d ranks on %s (%ld online CPUs); shm one_shot_max %zu B, "
+    std::printf("allreduce_bench: %d ranks on %s (%ld online CPUs); backend %s, one_shot_max %zu B, "
                 "slot %zu B, spin %d (-1: auto), yield %d\n",
-                world, host, sysconf(_SC_NPROCESSORS_ONLN), one_shot_max_bytes,
+                world, host, sysconf(_SC_NPROCESSORS_ONLN), flags.backend.c_str(), one_shot_max_bytes,
                 flags.slot_bytes, flags.spin, flags.yield);
     std::printf("| N | size | dtype | algo | ours us | MPI us | ours/MPI | ours busbw GB/s | MPI busbw GB/s |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|\n");
