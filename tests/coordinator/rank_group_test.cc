@@ -251,7 +251,12 @@ TEST_F(RankGroupTest, KilledRankFailsTheStepAndTearsTheGroupDown) {
   if (status.ok()) status = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
   const absl::Duration took = absl::Now() - start;
   EXPECT_EQ(status.code(), absl::StatusCode::kUnavailable) << status;
-  EXPECT_NE(status.message().find("rank 1"), std::string::npos) << status;
+  // Names a rank: the killed one, or rank 0 when rank 0 saw the death in its
+  // collective first and left (it exits after "lost its peers") before the
+  // coordinator noticed rank 1's stream end — both orders happen.
+  EXPECT_TRUE(status.message().find("rank 1") != std::string::npos ||
+              status.message().find("rank 0") != std::string::npos)
+      << status;
   EXPECT_LT(took, 2 * kStepTimeout + absl::Seconds(2));
   std::printf("step with a killed rank: %s after %s\n", status.ToString().c_str(),
               absl::FormatDuration(took).c_str());
