@@ -28,6 +28,7 @@ struct GemvFlags {
   int threads = 0;  // 0 = all hardware threads
   std::string isa = "auto";
   bool int8 = false;
+  bool bf16 = false;
   bool dense = false;
   int repeats = 50;
   double max_seconds = 5.0;
@@ -48,8 +49,10 @@ absl::Status RunGemv(const GemvFlags& f) {
   c.codebook = codebook;
   c.m = f.batch;
   c.threads = f.threads > 0 ? f.threads : static_cast<int>(std::thread::hardware_concurrency());
-  c.precision =
-      f.int8 ? kernels::TrellisGemmPrecision::kInt8 : kernels::TrellisGemmPrecision::kFloat;
+  if (f.int8 && f.bf16) return absl::InvalidArgumentError("bench gemv: --int8 and --bf16 exclude each other");
+  c.precision = f.int8   ? kernels::TrellisGemmPrecision::kInt8
+                : f.bf16 ? kernels::TrellisGemmPrecision::kBf16
+                         : kernels::TrellisGemmPrecision::kFloat;
   c.cycle_bytes = f.cycle_mib << 20;
   TimingPlan plan;
   plan.max_repeats = f.repeats;
@@ -68,7 +71,8 @@ absl::Status RunGemv(const GemvFlags& f) {
   const std::string what =
       f.dense ? "kernel=openblas-fp32"
               : absl::StrFormat("kernel=trellis codebook=%s K=%d isa=%s act=%s", f.codebook, c.bits,
-                                ActiveIsaName(), f.int8 ? "int8" : "fp32");
+                                ActiveIsaName(),
+                                f.int8 ? "int8" : (f.bf16 ? "bf16" : "fp32"));
   std::printf("%s",
               absl::StrFormat(
                   "gemv shape=%dx%d %s batch=%d threads=%d "
@@ -100,6 +104,9 @@ CommandRunner RegisterBenchCommand(CLI::App& app) {
   gemv->add_option("--isa", flags->isa, "auto|scalar|avx2|avx512 (pins the CPU kernel variant)")
       ->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512"}));
   gemv->add_flag("--int8", flags->int8, "int8 activations (mul1 only)");
+  gemv->add_flag("--bf16", flags->bf16,
+                 "bf16 weights and activations, fp32 accumulation (the prefill path; "
+                 "vdpbf16ps with AVX512-BF16)");
   gemv->add_flag("--dense", flags->dense,
                  "time the fp32 OpenBLAS baseline (sgemv/sgemm) on the same shape instead");
   gemv->add_option("--repeats", flags->repeats, "timed calls at most (after 3 warm-up calls)")

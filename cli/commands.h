@@ -22,6 +22,7 @@ CommandRunner RegisterDemoCommand(CLI::App& app);
 CommandRunner RegisterConvertCommand(CLI::App& app);
 CommandRunner RegisterInspectCommand(CLI::App& app);
 CommandRunner RegisterMakeTestModelCommand(CLI::App& app);
+CommandRunner RegisterMakeDemoModelCommand(CLI::App& app);  // test model + Qwen3 tokenizer
 CommandRunner RegisterBenchCommand(CLI::App& app);  // `bench gemv`
 CommandRunner RegisterTokenizeCommand(CLI::App& app);
 CommandRunner RegisterGenerateCommand(CLI::App& app);

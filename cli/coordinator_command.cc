@@ -24,16 +24,37 @@
 //                                      # tokenizer.json ("" = model_dir)
 //   world_size: 2
 //   expert_parallel: 0
-//   listen_address: 0.0.0.0:50061      # for ranks
+//   capacities: [1, 1, 0.5]            # relative share per rank (none = all equal);
+//                                      # a rank with less gets less of every layer
+//   listen_address: 127.0.0.1:50061    # for ranks; an address other than loopback
+//                                      # needs tls.rank_cert + tls.rank_key with
+//                                      # rank_token_file and/or tls.rank_client_cert
 //   api_address: 127.0.0.1:50051       # the public gRPC API (port 0 = any); an
 //                                      # address other than loopback needs tls +
 //                                      # auth_token_file (or tls.client_ca)
-//   tls: {cert: server.pem, key: server.key, client_ca: ""}   # client_ca: mutual TLS
+//   tls:
+//     cert: server.pem                 # the public API's TLS
+//     key: server.key
+//     client_ca: ""                    # set: clients need a certificate of it (mutual TLS)
+//     rank_cert: rank-endpoint.pem     # TLS on the rank endpoint (listen_address)
+//     rank_key: rank-endpoint.key
+//     rank_ca: cluster-ca.pem          # ranks check rank_cert against it; with
+//                                      # rank_client_cert the coordinator accepts only
+//                                      # ranks whose client certificate it signed
+//     rank_client_cert: rank.pem       # each rank's certificate (mutual TLS; `launch`
+//     rank_client_key: rank.key        # passes these paths to its workers)
+//     rank_server_name: ""             # the name ranks expect in rank_cert ("" = host)
 //   auth_token_file: ""                # clients send `authorization: Bearer <token>`
+//   rank_token_file: ""                # ranks send it (worker --rank-token-file)
 //   insecure_listen_any: false         # allow a non-loopback api_address without them
+//   insecure_rank_listen_any: false    # allow a non-loopback listen_address without them
 //   shutdown_grace_ms: 5000            # on SIGINT/SIGTERM, for streams in flight
 //   threads_per_rank: 0                # 0 = each rank's --threads
-//   comm: {backend: shm|ucx, shm_name: "", bootstrap_address: "host:port", ucx_tls: tcp}
+//   comm: {backend: shm|ucx, shm_name: "", bootstrap_address: "host:port",
+//          ucx: {tls: tcp},              # UCX transports (ucx_tls: the same, older spelling)
+//          nccl: {net: IB, ib_hca: "mlx5_0:1", ib_gid_index: 3, socket_ifname: eth0}}
+//                                      # GPU ranks; `launch` passes them as worker
+//                                      # --nccl-* flags (boxes[].nccl overrides per box)
 //   kv: {bits: 16, num_pages: 256, page_size_tokens: 16}
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
 //            default_max_tokens: 256, max_context: 0}
@@ -50,6 +71,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "cli/cluster_keys.h"
 #include "cli/commands.h"
 #include "cli/coordinator_run.h"
 #include "common/logging.h"
@@ -58,6 +80,7 @@
 #include "coordinator/local_engine.h"
 #include "coordinator/metrics.h"
 #include "coordinator/rank_group.h"
+#include "worker/rank/rank_executor.h"
 #include "yaml-cpp/yaml.h"
 
 namespace exl3serve::cli {
@@ -151,11 +174,13 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
                                  {"model_dir", "local_model_dir", "world_size", "expert_parallel",
                                   "listen_address", "api_address", "shutdown_grace_ms",
                                   "threads_per_rank", "comm", "kv", "engine", "timeouts", "tls",
-                                  "auth_token_file", "insecure_listen_any",
+                                  "auth_token_file", "insecure_listen_any", "rank_token_file",
+                                  "insecure_rank_listen_any", "capacities",
                                   "boxes"}));  // boxes: `exl3serve launch` (cli/launch_command.cc)
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
   EXL3_RETURN_IF_ERROR(Read(root, "", "expert_parallel", &o.expert_parallel));
+  EXL3_RETURN_IF_ERROR(Read(root, "", "capacities", &o.capacities));
   EXL3_RETURN_IF_ERROR(Read(root, "", "listen_address", &o.listen_address));
   EXL3_RETURN_IF_ERROR(Read(root, "", "threads_per_rank", &o.threads_per_rank));
   if (o.model_dir.empty()) return absl::InvalidArgumentError("config key `model_dir` is required");
@@ -163,13 +188,35 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
     return absl::InvalidArgumentError(
         absl::StrCat("config key `world_size` must be >= 1, got ", o.world_size));
   }
+  if (absl::Status s = worker::rank::CheckCapacities(o.capacities, o.world_size); !s.ok()) {
+    // s: "capacities: ..."; name the key as the other config errors do.
+    return absl::InvalidArgumentError(absl::StrCat("config key `capacities`",
+                                                   std::string(s.message()).substr(10)));
+  }
   if (const YAML::Node comm = root["comm"]; comm.IsDefined()) {
-    EXL3_RETURN_IF_ERROR(
-        CheckKeys(comm, "comm", {"backend", "shm_name", "bootstrap_address", "ucx_tls"}));
+    EXL3_RETURN_IF_ERROR(CheckKeys(
+        comm, "comm", {"backend", "shm_name", "bootstrap_address", "ucx_tls", "ucx", "nccl"}));
     EXL3_RETURN_IF_ERROR(Read(comm, "comm", "backend", &o.comm.backend));
     EXL3_RETURN_IF_ERROR(Read(comm, "comm", "shm_name", &o.comm.shm_name));
     EXL3_RETURN_IF_ERROR(Read(comm, "comm", "bootstrap_address", &o.comm.bootstrap_address));
     EXL3_RETURN_IF_ERROR(Read(comm, "comm", "ucx_tls", &o.comm.ucx_tls));
+    if (const YAML::Node ucx = comm["ucx"]; ucx.IsDefined()) {
+      EXL3_RETURN_IF_ERROR(CheckKeys(ucx, "comm.ucx", {"tls"}));
+      std::string tls;
+      EXL3_RETURN_IF_ERROR(Read(ucx, "comm.ucx", "tls", &tls));
+      if (!tls.empty() && !o.comm.ucx_tls.empty() && tls != o.comm.ucx_tls) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "config keys `comm.ucx.tls` (\"", tls, "\") and `comm.ucx_tls` (\"", o.comm.ucx_tls,
+            "\") disagree; give one"));
+      }
+      if (!tls.empty()) o.comm.ucx_tls = tls;
+    }
+    // comm.nccl is for `launch` (worker flags); checked here so that every
+    // reader of the file rejects the same mistakes.
+    if (const YAML::Node nccl = comm["nccl"]; nccl.IsDefined()) {
+      NcclKeys keys;
+      EXL3_RETURN_IF_ERROR(ReadNcclKeys(nccl, "comm.nccl", &keys));
+    }
     if (o.comm.backend != "shm" && o.comm.backend != "ucx") {
       return absl::InvalidArgumentError(
           absl::StrCat("config key `comm.backend` must be shm or ucx, got \"", o.comm.backend,
@@ -238,14 +285,35 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
   EXL3_RETURN_IF_ERROR(Read(root, "", "api_address", &api_address));
   EXL3_RETURN_IF_ERROR(
       ParseAddress("api_address", api_address, &config.server.host, &config.server.port));
+  coordinator::RankEndpointSecurity& rank_security = o.security;
   if (const YAML::Node tls = root["tls"]; tls.IsDefined()) {
-    EXL3_RETURN_IF_ERROR(CheckKeys(tls, "tls", {"cert", "key", "client_ca"}));
+    EXL3_RETURN_IF_ERROR(CheckKeys(tls, "tls",
+                                   {"cert", "key", "client_ca", "rank_cert", "rank_key", "rank_ca",
+                                    "rank_client_cert", "rank_client_key", "rank_server_name"}));
     EXL3_RETURN_IF_ERROR(Read(tls, "tls", "cert", &config.server.tls.cert_file));
     EXL3_RETURN_IF_ERROR(Read(tls, "tls", "key", &config.server.tls.key_file));
     EXL3_RETURN_IF_ERROR(Read(tls, "tls", "client_ca", &config.server.tls.client_ca_file));
     if (config.server.tls.cert_file.empty() != config.server.tls.key_file.empty()) {
       return absl::InvalidArgumentError("config keys `tls.cert` and `tls.key` go together");
     }
+    // The rank endpoint: the coordinator uses rank_cert/rank_key/rank_ca;
+    // the rank_client_* paths and rank_server_name are for the ranks (launch).
+    RankTlsPaths rank;
+    EXL3_RETURN_IF_ERROR(ReadRankTls(tls, &rank));
+    rank_security.cert_file = rank.cert;
+    rank_security.key_file = rank.key;
+    if (!rank.client_cert.empty()) rank_security.client_ca_file = rank.ca;
+  }
+  EXL3_RETURN_IF_ERROR(Read(root, "", "rank_token_file", &rank_security.token_file));
+  EXL3_RETURN_IF_ERROR(
+      Read(root, "", "insecure_rank_listen_any", &rank_security.insecure_listen_any));
+  if (absl::Status policy = coordinator::CheckRankListenPolicy(
+          o.listen_address, rank_security,
+          "config keys tls.rank_cert, tls.rank_key and tls.rank_ca, with rank_token_file and/or "
+          "tls.rank_client_cert");
+      !policy.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config key `listen_address`: ", policy.message()));
   }
   EXL3_RETURN_IF_ERROR(Read(root, "", "auth_token_file", &config.server.auth_token_file));
   EXL3_RETURN_IF_ERROR(Read(root, "", "insecure_listen_any", &config.server.insecure_listen_any));
@@ -341,6 +409,22 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
     EXL3_ASSIGN_OR_RETURN(CoordinatorConfig cfg, LoadConfig(*config));
     StopSignal stop;  // before any thread starts, so they inherit the mask
     EXL3_ASSIGN_OR_RETURN(coordinator::EngineModel model, coordinator::LoadEngineModel(&cfg.engine));
+    // grpc.health.v1 follows the group at once (a lost rank -> NOT_SERVING
+    // without waiting for the health poll): the group's state-change hook
+    // pokes the server while one is attached.
+    struct HealthHook {
+      absl::Mutex mu;
+      coordinator::GrpcServer* server ABSL_GUARDED_BY(mu) = nullptr;
+    };
+    auto hook = std::make_shared<HealthHook>();
+    cfg.group.on_change = [hook] {
+      absl::MutexLock lock(&hook->mu);
+      if (hook->server != nullptr) hook->server->ReadinessMayHaveChanged();
+    };
+    auto detach_health = [hook] {
+      absl::MutexLock lock(&hook->mu);
+      hook->server = nullptr;
+    };
     EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::RemoteRankGroup> owned_group,
                           coordinator::RemoteRankGroup::Start(cfg.group));
     // The engine owns the group (its executor); `group` stays valid while it lives.
@@ -365,6 +449,10 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
                           absl::StrCat(server_or.status().message(), " (api_address)"));
     }
     std::unique_ptr<coordinator::GrpcServer> server = std::move(*server_or);
+    {
+      absl::MutexLock lock(&hook->mu);
+      hook->server = server.get();
+    }
     std::printf("listening on %s\n", server->address().c_str());
     std::printf("coordinator: waiting for %d ranks on port %d (model %s)\n", cfg.group.world_size,
                 group->port(), cfg.group.model_dir.c_str());
@@ -372,6 +460,7 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
     if (!port_file->empty()) {
       FILE* f = std::fopen(port_file->c_str(), "w");
       if (f == nullptr) {
+        detach_health();
         server->Shutdown(absl::ZeroDuration());
         group->Shutdown("the coordinator could not write --port-file");
         engine->Shutdown();
@@ -416,6 +505,7 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
     // for re-formation in flight ends at once) and the engine aborts the rest.
     server->Shutdown(absl::Milliseconds(cfg.shutdown_grace_ms));
     group->Shutdown("the coordinator was stopped");
+    detach_health();  // before the server goes away
     engine->Shutdown();
     std::printf("stopped\n");
     return absl::OkStatus();

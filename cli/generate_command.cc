@@ -14,12 +14,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
+#include "cli/capacity_flags.h"
+#include "cli/spill_flags.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "sharding/npy_writer.h"
 #include "worker/model/generator.h"
+#include "worker/model/linear.h"
 #include "worker/model/stop_strings.h"
 #include "worker/model/transformer.h"
 #include "worker/rank/local_group.h"
@@ -61,9 +64,9 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     std::string comm = "shm", bootstrap, ucx_tls;
     std::vector<std::string> rank_wrappers;
     int64_t step_timeout_ms = 60'000;
-    bool spill_embeddings = false;
-    uint64_t spill_cache_bytes = 64ull << 20;
-    std::string spill_cache_dir;
+    SpillFlags spill;
+    std::string prefill_precision = "fp32";
+    std::string capacities;
   };
   auto args = std::make_shared<Args>();
   args->sampling.temperature = 0.0f;
@@ -109,36 +112,37 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
   app.add_option("--rank-wrapper", args->rank_wrappers,
                  "per rank (repeat in rank order): a command that starts the rank, e.g. "
                  "\"ip netns exec box-a\"");
+  app.add_option("--prefill-precision", args->prefill_precision,
+                 "EXL3 linears with > 16 rows (prefill): fp32 (exact) or bf16 (AMX/AVX512-BF16; "
+                 "single rank only)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_option("--step-timeout-ms", args->step_timeout_ms,
                  "with --tp: a step (and each collective) must finish within this")
       ->capture_default_str();
-  app.add_flag("--spill-embeddings", args->spill_embeddings,
-               "read the token embedding from disk through a bounded, checksummed row cache "
-               "instead of holding it in memory (single rank)");
-  app.add_option("--spill-cache-bytes", args->spill_cache_bytes,
-                 "with --spill-embeddings: row cache budget in bytes")
-      ->capture_default_str();
-  app.add_option("--spill-cache-dir", args->spill_cache_dir,
-                 "with --spill-embeddings: keep block checksums here (else recomputed per run)");
+  app.add_option("--capacities", args->capacities,
+                 "with --tp: relative capacity per rank, e.g. 1,1,0.5 (a rank with less gets "
+                 "proportionally less of every layer; default: all equal)");
+  AddSpillFlags(app, &args->spill);
   app.add_option("--logits-out", args->logits_out,
                  "write the logits of every generated token as a float32 .npy [steps, vocab]");
   return [args]() -> absl::Status {
     const int ranks = args->tp > 1 ? args->tp : (args->ep > 1 ? args->ep : 1);
+    EXL3_ASSIGN_OR_RETURN(const std::vector<double> capacities,
+                          ParseCapacitiesFlag(args->capacities, ranks));
+    if (args->prefill_precision == "bf16") {
+      if (ranks > 1) {
+        return absl::InvalidArgumentError("--prefill-precision bf16 needs a single rank (no --tp/--ep)");
+      }
+      EXL3_RETURN_IF_ERROR(worker::SetPrefillPrecision(kernels::TrellisGemmPrecision::kBf16));
+    }
     // The config's EOS ids (read cheaply: the driver does not load weights
     // when ranks do).
     std::vector<int32_t> eos_ids;
     std::unique_ptr<worker::Transformer> model;
-    if (args->spill_embeddings && ranks != 1) {
-      return absl::InvalidArgumentError(
-          "--spill-embeddings works on a single rank for now (drop --tp/--ep)");
-    }
     if (ranks == 1) {
       worker::TransformerLoadOptions load_options;
-      if (args->spill_embeddings) {
-        load_options.spill.spill = {"model.embed_tokens.weight"};
-        load_options.spill.cache_budget_bytes = args->spill_cache_bytes;
-        load_options.spill.cache_dir = args->spill_cache_dir;
-      }
+      load_options.spill = args->spill.Policy();
       EXL3_ASSIGN_OR_RETURN(model, worker::Transformer::Load(args->model, load_options));
       eos_ids = model->config().eos_token_ids;
     } else {
@@ -196,6 +200,8 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
       }
       group.kv = kv;
       group.step_timeout = absl::Milliseconds(args->step_timeout_ms);
+      group.spill = args->spill.Policy();  // every rank applies it to its own shard
+      group.capacities = capacities;
       EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> started,
                             worker::rank::LocalGroup::Start(group));
       for (int r = 0; r < ranks; ++r) {

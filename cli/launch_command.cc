@@ -17,9 +17,21 @@
 //       metrics_port: 9400        # optional: coordinator /metrics (on address)
 //     - name: a
 //       address: 10.0.0.2
-//       ranks: [0]                # rank ids of this box, 0 <= r < world_size,
+//       devices: [0, 1]           # optional: the box's GPUs (CUDA device ids)
+//       nics: [eth1]              # optional: interfaces for the collectives: the
+//                                 # ranks get UCX_NET_DEVICES and, unless nccl
+//                                 # sets it, --nccl-socket-ifname
+//       nccl: {ib_hca: "mlx5_0:1", ib_gid_index: 3}  # optional: overrides comm.nccl
+//       ranks: [0, 1]             # rank ids of this box, 0 <= r < world_size,
 //                                 # each on exactly one box
-//       rank_metrics_ports: [9401]  # optional: /metrics of each rank, same order
+//       rank_devices: [0, 1]      # optional: each rank's GPU, same order as ranks,
+//                                 # one of devices (CUDA_VISIBLE_DEVICES of the rank)
+//       rank_metrics_ports: [9401, 9402]  # optional: /metrics of each rank, same order
+// Each rank is started with the coordinator channel's credentials from the
+// same file: --tls-ca tls.rank_ca, --tls-server-name (tls.rank_server_name,
+// else the coordinator box's address), --tls-cert/--tls-key
+// tls.rank_client_cert/key, --rank-token-file rank_token_file, and the NCCL
+// settings comm.nccl merged with boxes[].nccl as --nccl-* flags.
 // Errors name the key (`boxes[1].ranks[0]`).
 #include <signal.h>
 #include <sys/prctl.h>
@@ -30,20 +42,25 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "cli/cluster_keys.h"
 #include "cli/commands.h"
 #include "cli/coordinator_run.h"
 #include "common/status_macros.h"
+#include "coordinator/grpc_server.h"
 #include "yaml-cpp/yaml.h"
 
 namespace exl3serve::cli {
@@ -54,14 +71,21 @@ struct Box {
   std::string address;
   bool coordinator = false;
   int metrics_port = 0;
+  std::vector<int> devices;
+  std::vector<std::string> nics;
+  NcclKeys nccl;  // comm.nccl with this box's overrides
   std::vector<int> ranks;
+  std::vector<int> rank_devices;
   std::vector<int> rank_metrics_ports;
 };
 
 struct LaunchPlan {
   int world_size = 0;
   std::string coordinator_address;  // HOST:PORT of the rank endpoint
+  std::string coordinator_host;     // the coordinator box's address
   std::vector<Box> boxes;
+  RankTlsPaths rank_tls;
+  std::string rank_token_file;
 };
 
 absl::Status KeyError(const std::string& key, const std::string& what) {
@@ -99,6 +123,16 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
   }
   LaunchPlan plan;
   EXL3_RETURN_IF_ERROR(ReadKey(root["world_size"], "world_size", &plan.world_size));
+  if (const YAML::Node tls = root["tls"]; tls.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(ReadRankTls(tls, &plan.rank_tls));
+  }
+  if (root["rank_token_file"].IsDefined() && !root["rank_token_file"].IsNull()) {
+    EXL3_RETURN_IF_ERROR(ReadKey(root["rank_token_file"], "rank_token_file", &plan.rank_token_file));
+  }
+  NcclKeys nccl;
+  if (const YAML::Node n = root["comm"]["nccl"]; n.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(ReadNcclKeys(n, "comm.nccl", &nccl));
+  }
   const YAML::Node boxes = root["boxes"];
   if (!boxes.IsDefined() || !boxes.IsSequence() || boxes.size() == 0) {
     return KeyError("boxes", "must be a non-empty list of {name, address, ranks} (launch needs it)");
@@ -112,8 +146,9 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
     if (!b.IsMap()) return KeyError(path, "must be a mapping");
     for (const auto& entry : b) {
       const std::string key = entry.first.as<std::string>();
-      static const std::set<std::string> kKnown = {"name", "address", "coordinator",
-                                                   "metrics_port", "ranks", "rank_metrics_ports"};
+      static const std::set<std::string> kKnown = {
+          "name",  "address", "coordinator",  "metrics_port",      "devices",
+          "nics",  "nccl",    "ranks",        "rank_devices",      "rank_metrics_ports"};
       if (kKnown.count(key) == 0) {
         return absl::InvalidArgumentError(absl::StrCat("unknown config key `", path, ".", key, "`"));
       }
@@ -136,8 +171,50 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
         return KeyError(path + ".metrics_port", "must be 0..65535");
       }
     }
+    if (b["devices"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadIntList(b["devices"], path + ".devices", &box.devices));
+      std::set<int> seen;
+      for (size_t j = 0; j < box.devices.size(); ++j) {
+        if (box.devices[j] < 0 || !seen.insert(box.devices[j]).second) {
+          return KeyError(absl::StrCat(path, ".devices[", j, "]"),
+                          absl::StrCat("must be a CUDA device id >= 0, unique, got ", box.devices[j]));
+        }
+      }
+    }
+    if (b["nics"].IsDefined()) {
+      const YAML::Node nics = b["nics"];
+      if (!nics.IsSequence()) return KeyError(path + ".nics", "must be a list of interface names");
+      for (size_t j = 0; j < nics.size(); ++j) {
+        std::string nic;
+        EXL3_RETURN_IF_ERROR(ReadKey(nics[j], absl::StrCat(path, ".nics[", j, "]"), &nic));
+        if (nic.empty() || nic.find_first_of(", \t") != std::string::npos) {
+          return KeyError(absl::StrCat(path, ".nics[", j, "]"),
+                          absl::StrCat("must be one interface name, got \"", nic, "\""));
+        }
+        box.nics.push_back(nic);
+      }
+    }
+    box.nccl = nccl;
+    if (b["nccl"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadNcclKeys(b["nccl"], path + ".nccl", &box.nccl));
+    }
     if (b["ranks"].IsDefined()) {
       EXL3_RETURN_IF_ERROR(ReadIntList(b["ranks"], path + ".ranks", &box.ranks));
+    }
+    if (b["rank_devices"].IsDefined()) {
+      EXL3_RETURN_IF_ERROR(ReadIntList(b["rank_devices"], path + ".rank_devices", &box.rank_devices));
+      if (box.rank_devices.size() != box.ranks.size()) {
+        return KeyError(path + ".rank_devices", "must have one device per entry of ranks");
+      }
+      for (size_t j = 0; j < box.rank_devices.size(); ++j) {
+        const int d = box.rank_devices[j];
+        const bool listed = box.devices.empty() ||
+                            std::find(box.devices.begin(), box.devices.end(), d) != box.devices.end();
+        if (d < 0 || !listed) {
+          return KeyError(absl::StrCat(path, ".rank_devices[", j, "]"),
+                          absl::StrCat("must be one of ", path, ".devices, got ", d));
+        }
+      }
     }
     for (size_t j = 0; j < box.ranks.size(); ++j) {
       const int r = box.ranks[j];
@@ -172,7 +249,7 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
       return KeyError("boxes[].ranks", absl::StrCat("must place every rank; rank ", r, " is on no box"));
     }
   }
-  std::string listen = "0.0.0.0:50061";
+  std::string listen = "127.0.0.1:50061";  // coordinator_command.cc's default
   if (root["listen_address"].IsDefined()) {
     EXL3_RETURN_IF_ERROR(ReadKey(root["listen_address"], "listen_address", &listen));
   }
@@ -181,7 +258,20 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
   if (port.empty() || port == "0") {
     return KeyError("listen_address", "needs a fixed port for launch (the ranks dial it)");
   }
+  // A loopback rank endpoint is reachable from its own box only.
+  const std::string listen_host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  if (coordinator::IsLoopbackHost(listen_host)) {
+    for (const Box& box : plan.boxes) {
+      if (&box != coordinator_box && !box.ranks.empty()) {
+        return KeyError("listen_address",
+                        absl::StrCat("is loopback (", listen, ") but box \"", box.name,
+                                     "\" has ranks: listen on an address the other boxes reach, "
+                                     "with tls.rank_* and rank_token_file"));
+      }
+    }
+  }
   const std::string& host = coordinator_box->address;
+  plan.coordinator_host = host;
   plan.coordinator_address =
       host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", port)
                                           : absl::StrCat(host, ":", port);
@@ -192,16 +282,31 @@ absl::StatusOr<LaunchPlan> LoadPlan(const std::string& file) {
 struct Child {
   int rank = 0;
   std::vector<std::string> argv;
+  std::vector<std::string> env;  // NAME=VALUE set for the child (over launch's own)
   pid_t pid = -1;
   absl::Time started;
   absl::Time restart_at;
   absl::Duration backoff = absl::Seconds(1);
 };
 
-pid_t Spawn(const std::vector<std::string>& args) {
+pid_t Spawn(const std::vector<std::string>& args, const std::vector<std::string>& extra_env) {
   std::vector<char*> argv;
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  // The environment, built before fork: launch's own minus the names that
+  // extra_env sets, then extra_env.
+  std::vector<char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    bool overridden = false;
+    for (const std::string& x : extra_env) {
+      const std::string_view name(x.data(), x.find('=') + 1);  // "NAME="
+      overridden = overridden || entry.substr(0, name.size()) == name;
+    }
+    if (!overridden) envp.push_back(*e);
+  }
+  for (const std::string& x : extra_env) envp.push_back(const_cast<char*>(x.c_str()));
+  envp.push_back(nullptr);
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid == 0) {
@@ -210,7 +315,7 @@ pid_t Spawn(const std::vector<std::string>& args) {
     sigset_t none;
     sigemptyset(&none);
     pthread_sigmask(SIG_SETMASK, &none, nullptr);
-    execv("/proc/self/exe", argv.data());
+    execve("/proc/self/exe", argv.data(), envp.data());
     std::fprintf(stderr, "launch: exec /proc/self/exe: %s\n", std::strerror(errno));
     _exit(127);
   }
@@ -276,7 +381,7 @@ class Supervisor {
     std::fflush(stdout);
   }
   void Start(Child& c) {
-    c.pid = Spawn(c.argv);
+    c.pid = Spawn(c.argv, c.env);
     c.started = absl::Now();
     if (c.pid < 0) {
       std::fprintf(stderr, "launch: fork: %s\n", std::strerror(errno));
@@ -299,12 +404,16 @@ CommandRunner RegisterLaunchCommand(CLI::App& app) {
   auto box_name = std::make_shared<std::string>();
   auto port_file = std::make_shared<std::string>();
   auto threads = std::make_shared<int>(0);
+  auto dry_run = std::make_shared<bool>(false);
   app.add_option("--config", *config, "cluster config (YAML with a boxes: section)")->required();
   app.add_option("--box", *box_name, "the box to start (boxes[].name)")->required();
   app.add_option("--port-file", *port_file, "coordinator box: write the bound rank port here");
   app.add_option("--threads", *threads, "kernel threads of each rank (0 = the worker default)");
+  app.add_flag("--dry-run", *dry_run,
+               "check the config and print what this box would run (environment and command "
+               "of each rank), start nothing");
   app.footer("Keys: cli/launch_command.cc (boxes) and cli/coordinator_command.cc (the rest).");
-  return [config, box_name, port_file, threads]() -> absl::Status {
+  return [config, box_name, port_file, threads, dry_run]() -> absl::Status {
     EXL3_ASSIGN_OR_RETURN(LaunchPlan plan, LoadPlan(*config));
     const Box* box = nullptr;
     for (const Box& b : plan.boxes) {
@@ -336,11 +445,51 @@ CommandRunner RegisterLaunchCommand(CLI::App& app) {
         c.argv.insert(c.argv.end(), {"--metrics-port", std::to_string(box->rank_metrics_ports[i]),
                                      "--metrics-host", box->address});
       }
+      // The coordinator channel's credentials.
+      const RankTlsPaths& tls = plan.rank_tls;
+      if (!tls.cert.empty()) {
+        c.argv.insert(c.argv.end(), {"--tls-ca", tls.ca, "--tls-server-name",
+                                     tls.server_name.empty() ? plan.coordinator_host
+                                                             : tls.server_name});
+      }
+      if (!tls.client_cert.empty()) {
+        c.argv.insert(c.argv.end(), {"--tls-cert", tls.client_cert, "--tls-key", tls.client_key});
+      }
+      if (!plan.rank_token_file.empty()) {
+        c.argv.insert(c.argv.end(), {"--rank-token-file", plan.rank_token_file});
+      }
+      // Collectives: this box's NICs and NCCL settings, the rank's GPU.
+      NcclKeys nccl = box->nccl;
+      if (!box->nics.empty()) {
+        std::string nics;
+        for (const std::string& nic : box->nics) nics += (nics.empty() ? "" : ",") + nic;
+        if (nccl.socket_ifname.empty()) nccl.socket_ifname = nics;
+        c.env.push_back("UCX_NET_DEVICES=" + nics);
+      }
+      for (const std::string& flag : NcclWorkerFlags(nccl)) c.argv.push_back(flag);
+      if (i < box->rank_devices.size()) {
+        c.env.push_back("CUDA_VISIBLE_DEVICES=" + std::to_string(box->rank_devices[i]));
+      }
       children.push_back(std::move(c));
     }
     std::printf("launch: box %s: %s%zu rank(s), coordinator %s\n", box->name.c_str(),
                 box->coordinator ? "the coordinator and " : "", children.size(),
                 plan.coordinator_address.c_str());
+    if (*dry_run) {
+      if (box->coordinator) {
+        std::printf("launch: would run: exl3serve coordinator --config %s%s\n", config->c_str(),
+                    box->metrics_port > 0
+                        ? absl::StrCat(" --metrics-port ", box->metrics_port, " --metrics-host ",
+                                       box->address).c_str()
+                        : "");
+      }
+      for (const Child& c : children) {
+        std::string line = absl::StrJoin(c.env, " ");
+        absl::StrAppend(&line, line.empty() ? "" : " ", absl::StrJoin(c.argv, " "));
+        std::printf("launch: would run rank %d: %s\n", c.rank, line.c_str());
+      }
+      return absl::OkStatus();
+    }
     std::fflush(stdout);
     Supervisor supervisor(std::move(children));
     absl::Status status;

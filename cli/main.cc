@@ -33,6 +33,8 @@ int main(int argc, char** argv) {
       "list the layers of an EXL3 model, or write one layer's effective weight as .npy");
   add(exl3serve::cli::RegisterMakeTestModelCommand, "make-test-model",
       "write a small random Hugging Face-format model (for tests and demos)");
+  add(exl3serve::cli::RegisterMakeDemoModelCommand, "make-demo-model",
+      "write a demo model: random weights with peaked logits and the real Qwen3 tokenizer");
   add(exl3serve::cli::RegisterBenchCommand, "bench",
       "micro-benchmarks (gemv: one TrellisGemm configuration, one line of output)");
   add(exl3serve::cli::RegisterTokenizeCommand, "tokenize",

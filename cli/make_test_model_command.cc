@@ -1,12 +1,30 @@
 // `exl3serve make-test-model`: a small random HF-format model.
+// `exl3serve make-demo-model`: the same with demo defaults (vocab 151 936,
+// peaked logits, Qwen3 special ids) and the real Qwen3 tokenizer files.
 #include <cstdio>
 #include <memory>
 
 #include "CLI/CLI.hpp"
 #include "cli/commands.h"
+#include "common/status_macros.h"
 #include "sharding/test_model.h"
 
 namespace exl3serve::cli {
+namespace {
+
+// The shape and seed options both commands share; defaults shown from `model`.
+void AddModelOptions(CLI::App& app, sharding::TestModelOptions* model) {
+  app.add_option("--layers", model->num_layers)->capture_default_str();
+  app.add_option("--hidden", model->hidden_size)->capture_default_str();
+  app.add_option("--intermediate", model->intermediate_size)->capture_default_str();
+  app.add_option("--vocab", model->vocab_size)->capture_default_str();
+  app.add_option("--experts", model->num_experts)->capture_default_str();
+  app.add_option("--seed", model->seed)->capture_default_str();
+  app.add_option("--shards", model->num_shards, "number of safetensors files")
+      ->capture_default_str();
+}
+
+}  // namespace
 
 CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   struct Args {
@@ -17,14 +35,7 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   app.add_option("--out", args->out, "directory to write")->required();
   app.add_option("--arch", args->model.arch, "llama | qwen3 | qwen3-moe | mixtral")
       ->capture_default_str();
-  app.add_option("--layers", args->model.num_layers)->capture_default_str();
-  app.add_option("--hidden", args->model.hidden_size)->capture_default_str();
-  app.add_option("--intermediate", args->model.intermediate_size)->capture_default_str();
-  app.add_option("--vocab", args->model.vocab_size)->capture_default_str();
-  app.add_option("--experts", args->model.num_experts)->capture_default_str();
-  app.add_option("--seed", args->model.seed)->capture_default_str();
-  app.add_option("--shards", args->model.num_shards, "number of safetensors files")
-      ->capture_default_str();
+  AddModelOptions(app, &args->model);
   app.add_flag("--tie-embeddings", args->model.tie_word_embeddings);
   app.add_flag("--peaked-logits", args->model.peaked_logits,
                "large logit margins: greedy decoding is deterministic under batching and "
@@ -33,6 +44,48 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
     absl::Status status = sharding::WriteTestModel(args->out, args->model);
     if (status.ok()) std::printf("wrote %s (%s)\n", args->out.c_str(), args->model.arch.c_str());
     return status;
+  };
+}
+
+CommandRunner RegisterMakeDemoModelCommand(CLI::App& app) {
+  struct Args {
+    std::string out;
+    std::string arch = "qwen3";
+    std::string tokenizer_dir = sharding::DefaultDemoTokenizerDir();
+    bool no_tokenizer = false;
+    sharding::TestModelOptions model = *sharding::DemoModelDefaults("qwen3");
+  };
+  auto args = std::make_shared<Args>();
+  app.add_option("--out", args->out, "directory to write")->required();
+  app.add_option("--arch", args->arch, "llama | qwen3 | qwen3-moe")->capture_default_str();
+  app.add_option("--tokenizer-dir", args->tokenizer_dir,
+                 "holds the Qwen3 tokenizer.json and tokenizer_config.json "
+                 "(scripts/fetch-demo-tokenizer.sh puts them in the default)")
+      ->capture_default_str();
+  app.add_flag("--no-tokenizer", args->no_tokenizer,
+               "write no tokenizer files (token ids only; peaked over every id)");
+  AddModelOptions(app, &args->model);
+  return [args]() -> absl::Status {
+    // The arch's defaults, then whatever shape options were given on top.
+    EXL3_ASSIGN_OR_RETURN(sharding::TestModelOptions model,
+                          sharding::DemoModelDefaults(args->arch));
+    const sharding::TestModelOptions& given = args->model;
+    model.num_layers = given.num_layers;
+    model.hidden_size = given.hidden_size;
+    model.intermediate_size = given.intermediate_size;
+    model.vocab_size = given.vocab_size;
+    model.num_experts = given.num_experts;
+    model.seed = given.seed;
+    model.num_shards = given.num_shards;
+    EXL3_RETURN_IF_ERROR(sharding::WriteDemoModel(
+        args->out, model, args->no_tokenizer ? std::string() : args->tokenizer_dir));
+    std::printf("wrote %s (%s, %d layers, hidden %lld, vocab %lld, %s)\n", args->out.c_str(),
+                model.arch.c_str(), model.num_layers, static_cast<long long>(model.hidden_size),
+                static_cast<long long>(model.vocab_size),
+                args->no_tokenizer ? "no tokenizer" : "Qwen3 tokenizer");
+    std::printf("convert with: exl3serve convert --in %s --out OUT --bits 4 --head-bits 16\n",
+                args->out.c_str());
+    return absl::OkStatus();
   };
 }
 

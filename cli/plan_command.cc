@@ -1,7 +1,8 @@
-// `exl3serve plan --model DIR --ranks N [--ep M] [--boxes a:2,b:2]
-// [--capacity 1,1,0.5] [--replicate-head]`: prints which rank would hold which
+// `exl3serve plan --model DIR --ranks N [--ep M] [--boxes a:2,b:2 | a,a,b]
+// [--capacities 1,1,0.5] [--replicate-head]`: prints which rank would hold which
 // heads, channels, experts and vocab rows of a model (EXL3 or Hugging Face),
 // and the bytes each would read (sharding/shard_plan.h).
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -13,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
+#include "cli/spill_flags.h"
 #include "common/status_macros.h"
 #include "sharding/exl3_model.h"
 #include "sharding/shard_plan.h"
@@ -20,12 +22,30 @@
 namespace exl3serve::cli {
 namespace {
 
-// "a:2,b:2" -> boxes a and b, ranks 0-1 on a, 2-3 on b.
+// "a:2,b:2" -> boxes a and b, ranks 0-1 on a, 2-3 on b. Or one name per
+// rank: "a,a,b" -> ranks 0-1 on a, 2 on b (boxes in order of appearance).
 absl::Status ParseBoxes(const std::string& text, int ranks, sharding::WorldSpec& world) {
   std::vector<std::string> names;
   std::vector<int> counts;
   absl::flat_hash_set<std::string> seen;
   int total = 0;
+  if (text.find(':') == std::string::npos) {
+    const std::vector<std::string> per_rank = absl::StrSplit(text, ',', absl::SkipWhitespace());
+    if (static_cast<int>(per_rank.size()) != ranks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--boxes: `", text, "` is not NAME:COUNT,... nor one box name per rank (",
+          per_rank.size(), " names for ", ranks, " ranks; e.g. --boxes a:2,b:1 or a,a,b)"));
+    }
+    world.boxes.clear();
+    world.ranks.clear();
+    for (const std::string& name : per_rank) {
+      auto it = std::find(world.boxes.begin(), world.boxes.end(), name);
+      if (it == world.boxes.end()) it = world.boxes.insert(world.boxes.end(), name);
+      world.ranks.push_back(
+          sharding::WorldSpec::Rank{.box = static_cast<int>(it - world.boxes.begin())});
+    }
+    return absl::OkStatus();
+  }
   for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
     const std::vector<std::string> fields = absl::StrSplit(part, ':');
     int count = 0;
@@ -83,6 +103,7 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
     std::string model, boxes, capacity;
     int ranks = 0;
     sharding::ShardOptions options;
+    SpillFlags spill;
   };
   auto args = std::make_shared<Args>();
   app.add_option("--model", args->model, "model directory (EXL3 or Hugging Face)")->required();
@@ -91,11 +112,15 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
                  "MoE expert groups (must divide --ranks; 0 = one group per rank)")
       ->capture_default_str();
   app.add_option("--boxes", args->boxes,
-                 "NAME:COUNT,... consecutive ranks per box (default: all on `local`)");
-  app.add_option("--capacity", args->capacity,
-                 "relative capacity per rank, comma-separated (default: all 1)");
+                 "NAME:COUNT,... consecutive ranks per box, or one box name per rank "
+                 "(a,a,b); default: all on `local`");
+  app.add_option("--capacities,--capacity", args->capacity,
+                 "relative capacity per rank, comma-separated, e.g. 1,1,0.5: a rank with "
+                 "less gets proportionally less (default: all 1)");
   app.add_flag("--replicate-head", args->options.replicate_head,
                "hold the whole output head on every rank instead of splitting the vocab");
+  // Which row tables each rank reads from its box's disk (as generate/serve/worker).
+  AddSpillFlags(app, &args->spill);
   return [args]() -> absl::Status {
     if (args->ranks < 1) {
       return absl::InvalidArgumentError(
@@ -113,7 +138,9 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
     EXL3_ASSIGN_OR_RETURN(sharding::ShardPlan plan,
                           sharding::PlanShards(*model->arch(), world, args->options, model.get()));
     std::printf("model: %s\n", args->model.c_str());
+    EXL3_RETURN_IF_ERROR(sharding::PlanRowTables(args->spill.Policy(), &plan));
     std::fputs(plan.Describe().c_str(), stdout);
+    std::fputs(sharding::DescribeRowTables(plan).c_str(), stdout);
     return absl::OkStatus();
   };
 }

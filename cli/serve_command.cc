@@ -31,6 +31,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/commands.h"
+#include "cli/capacity_flags.h"
+#include "cli/spill_flags.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "coordinator/grpc_server.h"
@@ -81,6 +83,8 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     int64_t ready_timeout_ms = 600'000;
     int metrics_port = 0;
     std::string metrics_host = "127.0.0.1";
+    SpillFlags spill;
+    std::string capacities;
   };
   auto args = std::make_shared<Args>();
   args->server.port = 50051;
@@ -92,6 +96,9 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--ep", args->engine.expert_parallel,
                  "MoE: expert-parallel groups among the ranks (0 = one per rank)");
+  app.add_option("--capacities", args->capacities,
+                 "relative capacity per rank, e.g. 1,1,0.5 (a rank with less gets "
+                 "proportionally less of every layer; default: all equal)");
   app.add_option("--host", args->server.host, "address to listen on (0.0.0.0 = all)")
       ->capture_default_str();
   app.add_option("--port", args->server.port, "TCP port (0 = any free port)")->capture_default_str();
@@ -136,6 +143,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--metrics-host", args->metrics_host, "address of the /metrics endpoints")
       ->capture_default_str();
+  AddSpillFlags(app, &args->spill);
   return [args]() -> absl::Status {
     EXL3_RETURN_IF_ERROR(InstallStopSignals());
     EXL3_RETURN_IF_ERROR(coordinator::CheckListenPolicy(args->server));
@@ -143,9 +151,12 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     // the engine) stops the scrape-time refresh before the engine goes.
     std::unique_ptr<coordinator::ServingMetrics> metrics;
     coordinator::EngineOptions engine_options = args->engine;
+    engine_options.spill = args->spill.Policy();
     // As CreateLocalEngine: tp ranks, or ep ranks for expert parallelism alone.
     const int ranks = engine_options.tensor_parallel > 1 ? engine_options.tensor_parallel
                                                          : std::max(1, engine_options.expert_parallel);
+    EXL3_ASSIGN_OR_RETURN(engine_options.rank_capacities,
+                          ParseCapacitiesFlag(args->capacities, ranks));
     if (args->metrics_port > 0) {
       if (ranks > 1 && args->metrics_port + ranks > 65535) {
         return absl::InvalidArgumentError(absl::StrCat(

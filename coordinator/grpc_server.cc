@@ -176,14 +176,20 @@ class GrpcServer::Impl {
     health->SetServingStatus(kGenerationServiceName, serving);
   }
 
-  // Follows Engine::ready() until Shutdown.
+  // Follows Engine::ready() until Shutdown: every poll interval, and at once
+  // when poked. Engine::ready() is read without mu_ held, so an engine may
+  // poke from under its own locks.
   void PollReadiness() {
     bool serving = engine_.ready();
     SetServing(serving);
-    absl::MutexLock lock(&mu_);
-    while (!stopping_) {
-      mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.readiness_poll_interval);
-      if (stopping_) break;
+    while (true) {
+      {
+        absl::MutexLock lock(&mu_);
+        auto woken = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stopping_ || poked_; };
+        mu_.AwaitWithTimeout(absl::Condition(&woken), options_.readiness_poll_interval);
+        if (stopping_) return;
+        poked_ = false;
+      }
       const bool ready = engine_.ready();
       if (ready != serving) {
         serving = ready;
@@ -191,6 +197,14 @@ class GrpcServer::Impl {
       }
     }
   }
+
+ public:
+  void Poke() {
+    absl::MutexLock lock(&mu_);
+    poked_ = true;
+  }
+
+ private:
 
   // Constant after Start.
   Engine& engine_;
@@ -203,6 +217,7 @@ class GrpcServer::Impl {
 
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool poked_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 absl::StatusOr<std::unique_ptr<GrpcServer>> GrpcServer::Start(Engine& engine,
@@ -223,5 +238,7 @@ int GrpcServer::port() const { return impl_->port(); }
 std::string GrpcServer::address() const { return impl_->address(); }
 
 void GrpcServer::Shutdown(absl::Duration grace) { impl_->Shutdown(grace); }
+
+void GrpcServer::ReadinessMayHaveChanged() { impl_->Poke(); }
 
 }  // namespace exl3serve::coordinator

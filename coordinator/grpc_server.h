@@ -42,6 +42,8 @@ struct GrpcServerOptions {
   int port = 50051;
   // How often the health service re-reads Engine::ready(). 100 ms: a probe
   // sees a change within a tenth of a second, at ten cheap calls a second.
+  // An engine that knows when readiness changes (a rank group losing a rank)
+  // calls ReadinessMayHaveChanged() and the health status follows at once.
   absl::Duration readiness_poll_interval = absl::Milliseconds(100);
   GenerationServiceOptions service;
   ServerTlsOptions tls;
@@ -80,6 +82,11 @@ class GrpcServer {
   // The bound port and "host:port" (IPv6 hosts in brackets).
   int port() const;
   std::string address() const;
+
+  // Wakes the health poller to re-read Engine::ready() now instead of at the
+  // next poll. Thread-safe, never blocks on the engine (the poller thread
+  // reads it), so it may be called from the engine's own callbacks.
+  void ReadinessMayHaveChanged();
 
   // Drains, then stops. Health ("" and exl3serve.v1.Generation) goes
   // NOT_SERVING while the service "liveness" stays SERVING; the server keeps

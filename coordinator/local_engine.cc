@@ -19,6 +19,19 @@ namespace {
 // google.rpc.Code values of GenerateError.code.
 int RpcCode(absl::StatusCode code) { return static_cast<int>(code); }
 
+// FailedPrecondition unless the executor's caches have the allocator's layout.
+absl::Status CheckKvLayout(const worker::KvCacheOptions& kv, const worker::StepExecutor& executor) {
+  const std::optional<worker::KvCacheOptions> theirs = executor.kv_options();
+  if (!theirs.has_value() ||
+      (theirs->num_pages == kv.num_pages && theirs->page_size_tokens == kv.page_size_tokens)) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "KV layout mismatch: the ranks' caches have ", theirs->num_pages, " pages of ",
+      theirs->page_size_tokens, " positions but the coordinator's block allocator has ",
+      kv.num_pages, " pages of ", kv.page_size_tokens, " (use the same kv settings on both)"));
+}
+
 bool GroupBroken(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsAborted(status) ||
          absl::IsDeadlineExceeded(status);
@@ -48,6 +61,7 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
         return options.max_context > 0 ? std::min(options.max_context, pool) : pool;
       }()),
       started_(options.clock()),
+      kv_layout_error_(CheckKvLayout(options.kv, *executor)),
       executor_(std::move(executor)),
       scheduler_(SchedulerOptions{.page_size_tokens = options.kv.page_size_tokens,
                                   .num_blocks = options.kv.num_pages,
@@ -58,6 +72,7 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
     absl::MutexLock lock(&mu_);
     stat_free_blocks_ = options_.kv.num_pages;
   }
+  if (!kv_layout_error_.ok()) EXL3_LOG(kError) << "engine refuses requests: " << kv_layout_error_;
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -180,6 +195,7 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
 
 absl::Status LocalEngine::Submit(const v1::GenerateRequest& request,
                                  ResponseCallback on_response) {
+  EXL3_RETURN_IF_ERROR(kv_layout_error_);
   EXL3_ASSIGN_OR_RETURN(Pending p, Validate(request));
   p.callback = std::move(on_response);
   if (options_.executor_ready && !options_.executor_ready()) {
@@ -221,6 +237,7 @@ int LocalEngine::Abort(const std::vector<std::string>& request_ids, const std::s
 }
 
 bool LocalEngine::ready() const {
+  if (!kv_layout_error_.ok()) return false;
   if (options_.executor_ready && !options_.executor_ready()) return false;
   absl::MutexLock lock(&mu_);
   return !stopping_ && !broken_;
@@ -429,7 +446,16 @@ void LocalEngine::Step() {
   if (out.batch.empty()) return;
   std::vector<worker::SequenceTokens> batch;
   batch.reserve(out.batch.size());
-  for (const ScheduledChunk& c : out.batch) batch.push_back({c.seq_id, c.tokens});
+  for (const ScheduledChunk& c : out.batch) {
+    // The scheduler's block table is authoritative: the ranks get exactly
+    // these pages (remote executors send them with this forward).
+    if (!c.new_blocks.empty()) {
+      if (absl::Status s = executor_->AssignPages(c.seq_id, c.new_blocks); !s.ok()) {
+        return OnExecutorFailure(s);
+      }
+    }
+    batch.push_back({c.seq_id, c.tokens});
+  }
   const absl::Time forward_start = options_.clock();
   if (absl::Status s = executor_->Forward(batch, worker::LogitsRows::kLastToken, &logits_);
       !s.ok()) {
@@ -703,10 +729,14 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
   const int ranks = options.tensor_parallel > 1 ? options.tensor_parallel
                                                 : std::max(1, options.expert_parallel);
   if (ranks == 1) {
-    EXL3_ASSIGN_OR_RETURN(model.transformer, worker::Transformer::Load(options.model_dir));
+    worker::TransformerLoadOptions load_options;
+    load_options.spill = options.spill;
+    EXL3_ASSIGN_OR_RETURN(model.transformer,
+                          worker::Transformer::Load(options.model_dir, load_options));
     model.config = model.transformer->config();
-    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache,
-                          model.transformer->CreateKvCache(options.kv));
+    worker::KvCacheOptions kv = options.kv;
+    kv.caller_assigns_pages = true;  // the scheduler's block tables place every sequence
+    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model.transformer->CreateKvCache(kv));
     executor =
         std::make_unique<worker::LocalStepExecutor>(model.transformer.get(), std::move(cache));
   } else {
@@ -717,9 +747,12 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
     group.executable = options.rank_executable;
     group.threads_per_rank = options.threads_per_rank;
     group.kv = options.kv;
+    group.kv.caller_assigns_pages = true;  // the scheduler's block tables place every sequence
     group.step_timeout = options.rank_step_timeout;
     group.metrics_port = options.rank_metrics_port;
     group.metrics_host = options.rank_metrics_host;
+    group.spill = options.spill;
+    group.capacities = options.rank_capacities;
     EXL3_ASSIGN_OR_RETURN(executor, worker::rank::LocalGroup::Start(group));
   }
   return std::unique_ptr<Engine>(

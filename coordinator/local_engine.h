@@ -58,6 +58,7 @@
 #include "coordinator/scheduler.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
+#include "sharding/spill_store.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/model_config.h"
 #include "worker/model/sampler.h"
@@ -88,6 +89,13 @@ struct EngineOptions {
   // positions, capped by config.json's max_position_embeddings when present.
   int64_t max_context = 0;
   absl::Duration rank_step_timeout = absl::Seconds(60);
+  // Row tables (the token embedding) read from disk through a bounded row
+  // cache (worker::TransformerLoadOptions::spill), in process or on every
+  // local rank (each applies it to its own shard). Default: none.
+  sharding::SpillPolicy spill;
+  // Relative capacity per local rank (LocalGroupOptions::capacities); empty =
+  // uniform, else one finite value > 0 per rank (InvalidArgument otherwise).
+  std::vector<double> rank_capacities;
   // When the rank group breaks (a rank died or hung), the engine waits this
   // long for it to re-form (StepExecutor::Recover: new local ranks, or
   // remote ranks re-registering) and then replays every in-flight request
@@ -149,6 +157,11 @@ class LocalEngine final : public Engine {
   // Starts the scheduler thread. `executor`'s cache must have options.kv's
   // page size and page count. Requires options validated (CreateLocalEngine
   // does; tests pass sane values).
+  // The scheduler's block tables are authoritative: every page a sequence
+  // uses reaches the executor through StepExecutor::AssignPages (ranks never
+  // allocate pages themselves). An executor whose kv_options() disagree
+  // with options.kv on page size or count leaves the engine refusing every
+  // request with FailedPrecondition naming both.
   LocalEngine(const EngineOptions& options, EngineModel model,
               std::unique_ptr<worker::StepExecutor> executor);
   ~LocalEngine() override;
@@ -227,6 +240,11 @@ class LocalEngine final : public Engine {
   const int64_t vocab_size_;
   const int64_t max_context_;
   const absl::Time started_;
+  // FailedPrecondition when the executor's KV page size or count differs from
+  // options.kv (the scheduler's block allocator): Submit refuses everything
+  // with it and ready() is false. OK otherwise (also for executors that do not
+  // say, StepExecutor::kv_options()).
+  const absl::Status kv_layout_error_;
 
   // --- Scheduler thread only ---
   std::unique_ptr<worker::StepExecutor> executor_;

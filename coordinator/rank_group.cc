@@ -4,20 +4,28 @@
 
 #include <algorithm>
 #include <deque>
+#include <fstream>
+#include <iterator>
+#include <string_view>
 #include <optional>
 #include <random>
 #include <thread>
 #include <utility>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "coordinator/grpc_server.h"
 #include "exl3serve/rank/v1/rank.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/rank/rank_executor.h"
 
 namespace exl3serve::coordinator {
 namespace {
@@ -39,6 +47,26 @@ int KvBits(worker::KvCacheDtype dtype) {
       return 4;
   }
   return 16;
+}
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " ", path));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.empty()) return absl::InvalidArgumentError(absl::StrCat(what, " ", path, " is empty"));
+  return text;
+}
+
+// Equal iff a == b, in a time that depends on the lengths only.
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
 }
 
 absl::Status FromProto(const pb::RankStatus& status) {
@@ -92,15 +120,21 @@ class Conn {
 
 // Flushes the streams it collected when it goes out of scope; declare it
 // before the MutexLock so that the lock is released first.
+// Also runs the state-change hook (RankGroupOptions::on_change) when one was
+// noted, after the flushes, with no lock held either.
 class Outbox {
  public:
   ~Outbox() {
     for (const std::shared_ptr<Conn>& conn : conns_) conn->Flush();
+    if (on_change_ != nullptr && *on_change_) (*on_change_)();
   }
   void Add(std::shared_ptr<Conn> conn) { conns_.push_back(std::move(conn)); }
+  // The group's state changed: run `hook` (borrowed) on the way out.
+  void StateChanged(const std::function<void()>* hook) { on_change_ = hook; }
 
  private:
   std::vector<std::shared_ptr<Conn>> conns_;
+  const std::function<void()>* on_change_ = nullptr;
 };
 
 }  // namespace
@@ -153,6 +187,7 @@ class RemoteRankGroup::Impl {
     int64_t pid = 0;
     absl::Time last_heartbeat;
     bool loaded = false;
+    uint64_t bytes_read = 0;  // Ready.bytes_read
   };
   struct PendingStep {
     uint64_t step_id = 0;
@@ -183,7 +218,23 @@ class RemoteRankGroup::Impl {
   std::optional<PendingStep> pending_ ABSL_GUARDED_BY(mu_);
   uint64_t next_step_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The caller's view: the sequences it added (and did not remove) and the
+  // generation they live in. A step while they are non-empty and the group
+  // has moved to another generation fails Aborted (replay needed).
+  absl::flat_hash_set<int64_t> session_seqs_ ABSL_GUARDED_BY(mu_);
+  uint64_t session_generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread monitor_;
+
+ public:
+  // Caller (step) thread only: AssignPages not yet sent, per sequence.
+  absl::flat_hash_map<int64_t, std::vector<int32_t>> staged_pages_;
+  // After a successful WaitReady in Recover: the caller starts afresh.
+  void ForgetSession() {
+    absl::MutexLock lock(&mu_);
+    session_seqs_.clear();
+    session_generation_ = generation_;
+    staged_pages_.clear();
+  }
 };
 
 namespace {
@@ -255,16 +306,44 @@ void Conn::OnWriteDone(bool ok) {
   Flush();
 }
 
+// A Connect stream refused before any message is read (no or a wrong rank token).
+class RefusedReactor final
+    : public grpc::ServerBidiReactor<pb::RankMessage, pb::CoordinatorMessage> {
+ public:
+  explicit RefusedReactor(grpc::Status status) { Finish(std::move(status)); }
+  void OnDone() override { delete this; }
+};
+
 class RankControlService final : public pb::RankControl::CallbackService {
  public:
-  explicit RankControlService(RemoteRankGroup::Impl* group) : group_(group) {}
+  RankControlService(RemoteRankGroup::Impl* group, std::string expected_authorization)
+      : group_(group), expected_authorization_(std::move(expected_authorization)) {}
   grpc::ServerBidiReactor<pb::RankMessage, pb::CoordinatorMessage>* Connect(
       grpc::CallbackServerContext* context) override {
+    if (!expected_authorization_.empty()) {
+      bool ok = false;
+      auto range = context->client_metadata().equal_range("authorization");
+      for (auto it = range.first; it != range.second; ++it) {
+        ok |= ConstantTimeEquals(std::string_view(it->second.data(), it->second.size()),
+                                 expected_authorization_);
+      }
+      if (!ok) {
+        const std::string why =
+            range.first == range.second
+                ? "missing rank token (metadata `authorization: Bearer <token>`; "
+                  "worker --rank-token-file, config key rank_token_file)"
+                : "wrong rank token (worker --rank-token-file must hold the coordinator's "
+                  "rank_token_file)";
+        EXL3_LOG(kWarning) << "rank connection from " << context->peer() << " refused: " << why;
+        return new RefusedReactor(grpc::Status(grpc::StatusCode::UNAUTHENTICATED, why));
+      }
+    }
     return new RankReactor(group_, context->peer());
   }
 
  private:
   RemoteRankGroup::Impl* const group_;
+  const std::string expected_authorization_;  // empty: no token check
 };
 
 std::string UniqueShmName(uint64_t generation) {
@@ -372,12 +451,26 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
         Teardown(absl::StrCat(Describe(r), ": loading failed: ", status.message()), out);
         return;
       }
+      if (message.ready().kv_num_pages() != options_.kv.num_pages ||
+          message.ready().kv_page_size_tokens() != options_.kv.page_size_tokens) {
+        // The block allocator mirrors every rank's cache page for page.
+        Teardown(absl::StrCat("FAILED_PRECONDITION: ", Describe(r), " made a KV cache of ",
+                              message.ready().kv_num_pages(), " pages of ",
+                              message.ready().kv_page_size_tokens(),
+                              " positions but the coordinator's block allocator has ",
+                              options_.kv.num_pages, " pages of ", options_.kv.page_size_tokens,
+                              " (same kv settings needed on both)"),
+                 out);
+        return;
+      }
       member->loaded = true;
+      member->bytes_read = message.ready().bytes_read();
       if (r == 0) vocab_size_ = message.ready().vocab_size();
       bool all = true;
       for (const std::optional<Member>& slot : members_) all = all && slot.has_value() && slot->loaded;
       if (all) {
         state_ = GroupState::kReady;
+        out.StateChanged(&options_.on_change);
         EXL3_LOG(kInfo) << "rank group generation " << generation_ << " ready ("
                         << options_.world_size << " ranks)";
       }
@@ -429,6 +522,7 @@ void RemoteRankGroup::Impl::OnStreamEnded(const std::shared_ptr<Conn>& conn) {
 void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
   ++generation_;
   state_ = GroupState::kLoading;
+  out.StateChanged(&options_.on_change);
   loading_since_ = absl::Now();
   pb::CoordinatorMessage message;
   pb::Setup* setup = message.mutable_setup();
@@ -437,6 +531,7 @@ void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
   setup->set_model_dir(options_.model_dir);
   setup->set_world_size(options_.world_size);
   setup->set_expert_parallel(options_.expert_parallel);
+  setup->mutable_capacities()->Add(options_.capacities.begin(), options_.capacities.end());
   pb::CommSettings* comm = setup->mutable_comm();
   comm->set_backend(options_.comm.backend);
   comm->set_shm_name(options_.comm.backend == "shm" && options_.comm.shm_name.empty()
@@ -451,6 +546,16 @@ void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
   setup->set_join_timeout_ms(absl::ToInt64Milliseconds(options_.join_timeout));
   setup->set_collective_timeout_ms(absl::ToInt64Milliseconds(options_.collective_timeout));
   setup->set_heartbeat_interval_ms(absl::ToInt64Milliseconds(options_.heartbeat_interval));
+  if (options_.spill.has_value()) {
+    const sharding::SpillPolicy& policy = *options_.spill;
+    pb::SpillSettings* spill = setup->mutable_spill();
+    for (const std::string& tensor : policy.spill) spill->add_tensors(tensor);
+    spill->set_threshold_bytes(policy.auto_threshold_bytes);
+    spill->set_memory_budget_bytes(policy.memory_budget_bytes);
+    spill->set_cache_bytes(policy.cache_budget_bytes);
+    spill->set_cache_dir(policy.cache_dir);
+    spill->set_extract(policy.extract);
+  }
   EXL3_LOG(kInfo) << "rank group generation " << generation_ << ": all " << options_.world_size
                   << " ranks registered, sending setup";
   for (std::optional<Member>& m : members_) {
@@ -478,6 +583,7 @@ void RemoteRankGroup::Impl::Teardown(const std::string& reason, Outbox& out) {
     }
   }
   state_ = stopping_ ? GroupState::kStopped : GroupState::kForming;
+  out.StateChanged(&options_.on_change);
   last_error_ = reason;
   ++teardowns_;
   changed_.SignalAll();
@@ -540,8 +646,18 @@ absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* l
     if (pending_.has_value()) {
       return absl::FailedPreconditionError("rank group: a step is already in flight");
     }
+    if (!session_seqs_.empty() && session_generation_ != generation_) {
+      return absl::AbortedError(absl::StrCat(
+          "the rank group re-formed (generation ", session_generation_, " -> ", generation_,
+          ") since the caller's ", session_seqs_.size(),
+          " sequences were added: they are gone, replay them"));
+    }
+    session_generation_ = generation_;
+    if (step.has_add_sequence()) session_seqs_.insert(step.add_sequence().seq_id());
+    if (step.has_remove_sequence()) session_seqs_.erase(step.remove_sequence().seq_id());
     id = ++next_step_id_;
     step.set_step_id(id);
+    step.set_group_generation(generation_);
     PendingStep pending;
     pending.step_id = id;
     pending.answered.assign(options_.world_size, false);
@@ -613,6 +729,7 @@ RankGroupStatus RemoteRankGroup::Impl::Status() const {
     if (const std::optional<Member>& m = members_[r]; m.has_value()) {
       info.up = true;
       info.loaded = m->loaded;
+      info.bytes_read = m->bytes_read;
       info.address = absl::StrCat(m->host, " pid ", m->pid, " (", m->conn->peer(), ")");
       info.last_heartbeat_age = now - m->last_heartbeat;
     }
@@ -645,6 +762,22 @@ const char* GroupStateName(GroupState state) {
   return "unknown";
 }
 
+absl::Status CheckRankListenPolicy(const std::string& listen_address,
+                                   const RankEndpointSecurity& security, const std::string& hint) {
+  std::string host = listen_address;
+  if (const size_t colon = listen_address.rfind(':'); colon != std::string::npos) {
+    host = listen_address.substr(0, colon);
+  }
+  if (IsLoopbackHost(host) || security.insecure_listen_any ||
+      (security.tls() && security.rank_check())) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "refusing to listen for ranks on ", host,
+      " without credentials: an address other than loopback needs TLS and a rank check (", hint,
+      "); listen on 127.0.0.1, or accept the risk with insecure_rank_listen_any"));
+}
+
 RemoteRankGroup::RemoteRankGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(
@@ -654,6 +787,7 @@ absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(
         absl::StrCat("world_size must be >= 1, got ", options.world_size));
   }
   if (options.model_dir.empty()) return absl::InvalidArgumentError("model_dir is empty");
+  EXL3_RETURN_IF_ERROR(worker::rank::CheckCapacities(options.capacities, options.world_size));
   if (options.comm.backend != "shm" && options.comm.backend != "ucx") {
     return absl::InvalidArgumentError(
         absl::StrCat("comm.backend must be shm or ucx, got \"", options.comm.backend, "\""));
@@ -667,11 +801,49 @@ absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(
         ") must exceed heartbeat_interval (", absl::FormatDuration(options.heartbeat_interval),
         ")"));
   }
+  const RankEndpointSecurity& security = options.security;
+  EXL3_RETURN_IF_ERROR(CheckRankListenPolicy(options.listen_address, security,
+                                             "RankGroupOptions::security"));
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (security.tls()) {
+    if (security.cert_file.empty() || security.key_file.empty()) {
+      return absl::InvalidArgumentError(
+          "rank endpoint TLS needs both a certificate and its private key");
+    }
+    EXL3_ASSIGN_OR_RETURN(std::string cert,
+                          ReadPem(security.cert_file, "the rank endpoint's TLS certificate"));
+    EXL3_ASSIGN_OR_RETURN(std::string key,
+                          ReadPem(security.key_file, "the rank endpoint's TLS private key"));
+    grpc::SslServerCredentialsOptions ssl(
+        security.client_ca_file.empty()
+            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    if (!security.client_ca_file.empty()) {
+      EXL3_ASSIGN_OR_RETURN(ssl.pem_root_certs,
+                            ReadPem(security.client_ca_file, "the ranks' client CA"));
+    }
+    ssl.pem_key_cert_pairs.push_back({key, cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  } else if (!security.client_ca_file.empty()) {
+    return absl::InvalidArgumentError(
+        "a rank client CA (mutual TLS) needs TLS on the rank endpoint: a certificate and key");
+  }
+  std::string expected_authorization;
+  if (!security.token_file.empty()) {
+    EXL3_ASSIGN_OR_RETURN(std::string token, ReadPem(security.token_file, "the rank token file"));
+    token = std::string(absl::StripAsciiWhitespace(token));
+    if (token.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the rank token file ", security.token_file, " holds only whitespace"));
+    }
+    expected_authorization = absl::StrCat("Bearer ", token);
+  }
   auto impl = std::make_unique<Impl>(options);
-  auto service = std::make_unique<RankControlService>(impl.get());
+  auto service = std::make_unique<RankControlService>(impl.get(), expected_authorization);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(),
-                           &impl->port_);
+  // No SO_REUSEPORT: a second coordinator on a busy port must fail, not share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(options.listen_address, credentials, &impl->port_);
   builder.SetMaxReceiveMessageSize(-1);
   builder.SetMaxSendMessageSize(-1);
   // Ranks ping every 10 s (rank_client.cc); allow it without calls in flight.
@@ -686,7 +858,10 @@ absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(
   impl->service_ = std::move(service);
   impl->StartMonitor();
   EXL3_LOG(kInfo) << "rank endpoint listening on port " << impl->port_ << " for "
-                  << options.world_size << " ranks";
+                  << options.world_size << " ranks ("
+                  << (security.tls() ? (security.client_ca_file.empty() ? "TLS" : "mutual TLS")
+                                     : "plaintext")
+                  << (security.token_file.empty() ? "" : ", rank token") << ")";
   return std::unique_ptr<RemoteRankGroup>(new RemoteRankGroup(std::move(impl)));
 }
 
@@ -716,7 +891,26 @@ absl::Status RemoteRankGroup::AddSequence(int64_t seq_id) {
   return impl_->RunStep(std::move(step), nullptr);
 }
 
+absl::Status RemoteRankGroup::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
+  std::vector<int32_t>& staged = impl_->staged_pages_[seq_id];
+  staged.insert(staged.end(), page_ids.begin(), page_ids.end());
+  return absl::OkStatus();
+}
+
+std::optional<worker::KvCacheOptions> RemoteRankGroup::kv_options() const {
+  worker::KvCacheOptions kv = impl_->options_.kv;
+  kv.caller_assigns_pages = true;  // what every rank runs with (rank_client.cc)
+  return kv;
+}
+
+absl::Status RemoteRankGroup::Recover(absl::Time deadline) {
+  EXL3_RETURN_IF_ERROR(WaitReady(deadline));
+  impl_->ForgetSession();
+  return absl::OkStatus();
+}
+
 absl::Status RemoteRankGroup::RemoveSequence(int64_t seq_id) {
+  impl_->staged_pages_.erase(seq_id);
   pb::Step step;
   step.mutable_remove_sequence()->set_seq_id(seq_id);
   return impl_->RunStep(std::move(step), nullptr);
@@ -732,6 +926,11 @@ absl::Status RemoteRankGroup::Forward(std::span<const worker::SequenceTokens> ba
     pb::SequenceTokens* seq = forward->add_sequences();
     seq->set_seq_id(entry.seq_id);
     seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
+    auto staged = impl_->staged_pages_.find(entry.seq_id);
+    if (staged != impl_->staged_pages_.end()) {
+      seq->mutable_block_ids()->Assign(staged->second.begin(), staged->second.end());
+      impl_->staged_pages_.erase(staged);  // sent: the ranks hold them now (or refuse them)
+    }
   }
   std::vector<float> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), &received));

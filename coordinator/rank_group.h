@@ -9,14 +9,21 @@
 //   EXL3_RETURN_IF_ERROR(group->WaitReady(absl::Now() + absl::Minutes(5)));
 //   const uint64_t generation = group->generation();
 //   EXL3_RETURN_IF_ERROR(group->AddSequence(7));
+//   EXL3_RETURN_IF_ERROR(group->AssignPages(7, block_ids));  // the scheduler's; sent with:
 //   absl::Status s = group->Forward(batch, LogitsRows::kLastToken, &logits);
-//   if (absl::IsUnavailable(s)) {  // a rank died: the group is forming again
-//     EXL3_RETURN_IF_ERROR(group->WaitReady(absl::Now() + group->options().reform_timeout));
+//   if (absl::IsUnavailable(s) || absl::IsAborted(s)) {  // a rank died / the group re-formed
+//     EXL3_RETURN_IF_ERROR(group->Recover(absl::Now() + group->options().reform_timeout));
 //     // generation() > generation: every sequence is gone; add and replay them.
 //   }
 //
+// Security: RankEndpointSecurity (TLS, mutual TLS, a rank token). Steps
+// only ever travel on the streams ranks open to this endpoint — a rank never
+// listens for steps (worker/rank/rank_client.h) — so a rank that verifies
+// this endpoint's certificate takes steps from its coordinator only.
+//
 // Life of a group (the state, GroupState):
-//   kForming  ranks register; a registration is refused (the stream ends with
+//   kForming  ranks register (a stream without the right token is refused
+//             UNAUTHENTICATED before it can register); a registration is refused (the stream ends with
 //             that status) for another protocol version or world size
 //             (FAILED_PRECONDITION), a rank outside [0, world_size)
 //             (INVALID_ARGUMENT) or a rank already held (ALREADY_EXISTS).
@@ -39,7 +46,10 @@
 #define EXL3SERVE_COORDINATOR_RANK_GROUP_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -47,6 +57,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "sharding/spill_store.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/step_executor.h"
@@ -54,12 +65,39 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 1;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 2;
+
+// Who may register as a rank (the coordinator<->rank channel's security).
+// cert_file + key_file (PEM) turn TLS on for the rank endpoint; with
+// client_ca_file a rank must present a client certificate signed by that CA
+// (mutual TLS: the TLS handshake fails otherwise, so the rank never reaches
+// Register); with token_file every Connect stream must carry the metadata
+// `authorization: Bearer <token>` (the file's content, surrounding
+// whitespace trimmed), or it ends UNAUTHENTICATED before any message is read.
+// Without TLS and a rank check (client CA or token) the endpoint listens on
+// loopback only, unless insecure_listen_any (Start refuses otherwise).
+struct RankEndpointSecurity {
+  std::string cert_file;
+  std::string key_file;
+  std::string client_ca_file;
+  std::string token_file;
+  bool insecure_listen_any = false;
+  bool tls() const { return !cert_file.empty() || !key_file.empty(); }
+  bool rank_check() const { return !client_ca_file.empty() || !token_file.empty(); }
+};
+
+// The loopback-only rule above for `listen_address` (HOST:PORT); callers
+// check it before slow setup, Start checks it too. FailedPrecondition naming
+// the host and `hint` (how the caller's user sets the credentials).
+absl::Status CheckRankListenPolicy(const std::string& listen_address,
+                                   const RankEndpointSecurity& security, const std::string& hint);
 
 struct RankGroupOptions {
   // --- behaviour
   // host:port where ranks connect; port 0 picks a free port (see port()).
-  std::string listen_address = "0.0.0.0:50061";
+  // A host other than loopback needs `security` (see RankEndpointSecurity).
+  std::string listen_address = "127.0.0.1:50061";
+  RankEndpointSecurity security;
   // The model directory as the ranks see it.
   std::string model_dir;
   int world_size = 1;
@@ -70,6 +108,12 @@ struct RankGroupOptions {
   worker::comm::CommSpec comm;
   worker::KvCacheOptions kv;  // the cache every rank creates
   int threads_per_rank = 0;   // 0 = each rank's own --threads
+  // Row tables every rank reads from its box's disk (Setup.spill; a rank
+  // started with its own `worker --spill-*` flags uses those). nullopt: none.
+  std::optional<sharding::SpillPolicy> spill;
+  // Relative capacity per rank (Setup.capacities); empty = uniform, else
+  // world_size finite values > 0 (Start: InvalidArgument otherwise).
+  std::vector<double> capacities;
   // --- timeouts
   absl::Duration join_timeout = absl::Seconds(60);        // ranks joining the communicator
   absl::Duration collective_timeout = absl::Seconds(60);  // one collective on a rank
@@ -84,6 +128,12 @@ struct RankGroupOptions {
   // failing its requests (carried here so it is configured in one place; the
   // group itself keeps forming indefinitely).
   absl::Duration reform_timeout = absl::Seconds(60);
+  // --- observation
+  // Called after every state change (forming, loading, ready, stopped), with
+  // none of the group's locks held, from a gRPC or the group's monitor
+  // thread; must not block (e.g. GrpcServer::ReadinessMayHaveChanged, so
+  // grpc.health.v1 follows a lost rank at once). Empty = none.
+  std::function<void()> on_change;
 };
 
 enum class GroupState { kForming, kLoading, kReady, kStopped };
@@ -94,6 +144,7 @@ struct RankSlotInfo {
   int rank = 0;
   bool up = false;                   // registered and its stream open
   bool loaded = false;               // reported Ready in this generation
+  uint64_t bytes_read = 0;           // checkpoint bytes it read loading (its Ready)
   std::string address;               // "host pid P (peer ipv4:...)"
   absl::Duration last_heartbeat_age; // since Register or the last heartbeat
 };
@@ -126,15 +177,27 @@ class RemoteRankGroup final : public worker::StepExecutor {
   // torn down during the step, or when a rank did not answer in time (the
   // group is then torn down) — the message names the rank and the cause;
   // otherwise the first failing rank's own error, prefixed "rank R: ".
+  // Aborted ("replay them") when the caller still holds sequences added in
+  // an earlier generation: the group re-formed between two steps (no step
+  // saw it break), so those sequences are gone; the caller treats it as a
+  // broken group: Recover, then re-add and replay. Every step carries the
+  // generation it was meant for (Step.group_generation) and a rank of
+  // another generation refuses it (Aborted) too.
   // vocab_size() is 0 until the first group is ready.
   int64_t vocab_size() const override;
   absl::Status AddSequence(int64_t seq_id) override;
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override;
+  // Staged; sent as the sequence's SequenceTokens.block_ids with its next
+  // Forward (ranks run with KvCacheOptions::caller_assigns_pages: these are
+  // their only pages).
+  absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
+  std::optional<worker::KvCacheOptions> kv_options() const override;
   // Waits (by `deadline`) for the group to re-form from ranks that register
-  // again (`worker --reconnect`, or restarted ranks): WaitReady.
-  absl::Status Recover(absl::Time deadline) override { return WaitReady(deadline); }
+  // again (`worker --reconnect`, or restarted ranks): WaitReady. Then the
+  // caller holds no sequences (and no staged pages) in the group.
+  absl::Status Recover(absl::Time deadline) override;
 
   // True when every rank of the current group is loaded.
   bool ready() const;

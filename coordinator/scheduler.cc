@@ -1,6 +1,7 @@
 #include "coordinator/scheduler.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 #include <utility>
 
@@ -14,7 +15,15 @@ Scheduler::Scheduler(const SchedulerOptions& options) : options_(options) {
   EXL3_CHECK(options_.num_blocks > 0);
   EXL3_CHECK(options_.max_running > 0);
   EXL3_CHECK(options_.step_token_budget > 0);
-  free_blocks_ = options_.num_blocks;
+  EXL3_CHECK(options_.num_blocks <= INT32_MAX);  // block ids travel as int32
+  free_list_.reserve(options_.num_blocks);
+  for (int64_t b = options_.num_blocks - 1; b >= 0; --b) free_list_.push_back(static_cast<int32_t>(b));
+}
+
+void Scheduler::FreeBlocks(Sequence& seq) {
+  // Reverse order: a sequence re-admitted at once gets the same ids back.
+  for (auto it = seq.blocks.rbegin(); it != seq.blocks.rend(); ++it) free_list_.push_back(*it);
+  seq.blocks.clear();
 }
 
 absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::Time deadline) {
@@ -78,6 +87,12 @@ int64_t Scheduler::computed(int64_t seq_id) const {
 int64_t Scheduler::blocks_held(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   EXL3_CHECK(it != seqs_.end());
+  return static_cast<int64_t>(it->second.blocks.size());
+}
+
+std::span<const int32_t> Scheduler::block_table(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  EXL3_CHECK(it != seqs_.end());
   return it->second.blocks;
 }
 
@@ -87,13 +102,14 @@ bool Scheduler::is_running(int64_t seq_id) const {
 }
 
 int64_t Scheduler::TokensThatFit(const Sequence& seq) const {
-  return (seq.blocks + free_blocks_) * options_.page_size_tokens - seq.computed;
+  return (static_cast<int64_t>(seq.blocks.size()) + free_blocks()) * options_.page_size_tokens -
+         seq.computed;
 }
 
 void Scheduler::Erase(int64_t seq_id) {
   auto it = seqs_.find(seq_id);
   EXL3_CHECK(it != seqs_.end());
-  free_blocks_ += it->second.blocks;
+  FreeBlocks(it->second);
   if (it->second.running) {
     running_.erase(std::find(running_.begin(), running_.end(), seq_id));
   } else {
@@ -105,8 +121,7 @@ void Scheduler::Erase(int64_t seq_id) {
 void Scheduler::Preempt(int64_t seq_id, ScheduleOutput* out) {
   Sequence& seq = seqs_.at(seq_id);
   EXL3_CHECK(seq.running);
-  free_blocks_ += seq.blocks;
-  seq.blocks = 0;
+  FreeBlocks(seq);
   seq.computed = 0;
   seq.running = false;
   seq.decoding = false;
@@ -125,13 +140,15 @@ void Scheduler::Preempt(int64_t seq_id, ScheduleOutput* out) {
 
 void Scheduler::Emit(int64_t seq_id, int64_t count, ScheduleOutput* out) {
   Sequence& seq = seqs_.at(seq_id);
-  const int64_t needed = BlocksFor(seq.computed + count) - seq.blocks;
-  EXL3_CHECK(count > 0 && needed <= free_blocks_);
-  if (needed > 0) {
-    seq.blocks += needed;
-    free_blocks_ -= needed;
-  }
+  const int64_t needed =
+      BlocksFor(seq.computed + count) - static_cast<int64_t>(seq.blocks.size());
+  EXL3_CHECK(count > 0 && needed <= free_blocks());
   ScheduledChunk chunk;
+  for (int64_t i = 0; i < needed; ++i) {
+    seq.blocks.push_back(free_list_.back());
+    chunk.new_blocks.push_back(free_list_.back());
+    free_list_.pop_back();
+  }
   chunk.seq_id = seq_id;
   chunk.start = seq.computed;
   chunk.tokens = std::span<const int32_t>(seq.tokens).subspan(seq.computed, count);
@@ -229,7 +246,8 @@ std::vector<int64_t> Scheduler::Reset() {
   seqs_.clear();
   waiting_.clear();
   running_.clear();
-  free_blocks_ = options_.num_blocks;
+  free_list_.clear();
+  for (int64_t b = options_.num_blocks - 1; b >= 0; --b) free_list_.push_back(static_cast<int32_t>(b));
   return ids;
 }
 
@@ -238,8 +256,7 @@ std::vector<int64_t> Scheduler::RequeueAll() {
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {  // newest first to the front
     Sequence& seq = seqs_.at(*it);
     if (seq.mark != Mark::kNone) continue;
-    free_blocks_ += seq.blocks;
-    seq.blocks = 0;
+    FreeBlocks(seq);
     seq.computed = 0;
     seq.running = false;
     seq.decoding = false;

@@ -1,6 +1,8 @@
 // coordinator/scheduler.h — the continuous-batching schedule of the
 // coordinator: which sequences run in the next forward and with which tokens,
-// and the KV block allocator that mirrors the ranks' paged caches. Pure
+// and the KV block allocator whose block tables the ranks' paged caches
+// follow page for page (the coordinator's allocation is authoritative: a
+// rank never allocates a page on its own). Pure
 // logic: no threads, no model, no clock (the caller passes `now`), so every
 // rule is unit-testable (tests/coordinator/scheduler_test.cc).
 //
@@ -8,6 +10,7 @@
 //   EXL3_RETURN_IF_ERROR(scheduler.Add(seq_id, prompt, deadline));
 //   ScheduleOutput step = scheduler.Schedule(absl::Now());
 //   // executor: RemoveSequence(step.release...), AddSequence(step.admit...),
+//   //           AssignPages(entry.seq_id, entry.new_blocks) per batch entry,
 //   //           Forward(step.batch); then per entry with needs_logits:
 //   scheduler.AppendToken(seq_id, sampled);   // or scheduler.Finish(seq_id)
 //
@@ -40,10 +43,13 @@
 //   I1  free_blocks() + Σ blocks held by running sequences == num_blocks;
 //       waiting sequences hold none.
 //   I2  A running sequence holding `computed` cached positions holds exactly
-//       ceil(computed / page) blocks once the batch has run — the pages
-//       PagedKvCache::Reserve gives a sequence for the same positions, so with
-//       the same page size and page count the ranks' Forward never runs out
-//       of pages (ResourceExhausted) for a batch this scheduler produced.
+//       ceil(computed / page) blocks once the batch has run, as a block table
+//       of distinct ids in [0, num_blocks) that no other sequence holds
+//       (block_table()); a batch entry's new_blocks are the ids appended to
+//       its table in this step. The ranks' caches (caller_assigns_pages) get
+//       exactly these pages (StepExecutor::AssignPages), so with the same page
+//       size and count each rank's page table of a sequence equals its block
+//       table here.
 //   I3  Σ tokens of a batch <= step_token_budget; running <= max_running;
 //       each sequence appears at most once per batch, with >= 1 token.
 //   I4  A batch entry's tokens are the sequence's tokens [computed, computed
@@ -105,6 +111,9 @@ struct ScheduledChunk {
   std::span<const int32_t> tokens;
   // The chunk ends at the sequence's last token: its logits give the next one.
   bool needs_logits = false;
+  // Block ids appended to the sequence's block table for this chunk (possibly
+  // none), in table order: the executor's AssignPages before the forward.
+  std::vector<int32_t> new_blocks;
 };
 
 struct DroppedSequence {
@@ -172,12 +181,15 @@ class Scheduler {
   int64_t computed(int64_t seq_id) const;
   // Blocks the sequence holds. Requires: Contains(seq_id).
   int64_t blocks_held(int64_t seq_id) const;
+  // The sequence's block table (ids in position order; empty while
+  // waiting). Valid until the next non-const call. Requires: Contains(seq_id).
+  std::span<const int32_t> block_table(int64_t seq_id) const;
   bool is_running(int64_t seq_id) const;
 
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_blocks() const { return options_.num_blocks; }
-  int64_t free_blocks() const { return free_blocks_; }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_list_.size()); }
   uint64_t num_preemptions() const { return num_preemptions_; }
   bool empty() const { return seqs_.empty(); }
   const SchedulerOptions& options() const { return options_; }
@@ -186,8 +198,8 @@ class Scheduler {
   enum class Mark { kNone, kFinished, kCancelled };
   struct Sequence {
     std::vector<int32_t> tokens;
-    int64_t computed = 0;  // positions in the cache
-    int64_t blocks = 0;    // blocks held
+    int64_t computed = 0;        // positions in the cache
+    std::vector<int32_t> blocks;  // block table: ids held, in position order
     bool running = false;
     bool decoding = false;       // the prompt was prefilled once since admission
     uint64_t admitted_at = 0;    // admission counter (larger = more recent)
@@ -200,6 +212,8 @@ class Scheduler {
   }
   // Tokens of `seq` that fit in its blocks plus the free ones, beyond computed.
   int64_t TokensThatFit(const Sequence& seq) const;
+  // Returns the sequence's blocks to the free list.
+  void FreeBlocks(Sequence& seq);
   // Moves a running sequence to the front of the queue, freeing its blocks.
   void Preempt(int64_t seq_id, ScheduleOutput* out);
   // Removes a sequence entirely, freeing its blocks.
@@ -211,7 +225,7 @@ class Scheduler {
   absl::flat_hash_map<int64_t, Sequence> seqs_;
   std::deque<int64_t> waiting_;   // queue order
   std::vector<int64_t> running_;  // admission order
-  int64_t free_blocks_ = 0;
+  std::vector<int32_t> free_list_;  // free block ids; the back is taken next
   uint64_t admissions_ = 0;
   uint64_t num_preemptions_ = 0;
 };

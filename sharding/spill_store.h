@@ -10,7 +10,7 @@
 //     atomically (temp name, fsync, rename), and reused by later opens while
 //     its checksum file still matches the source and the bytes.
 // Either way the table is covered by CRC32C checksums over fixed blocks
-// (default 64 KiB, relative to the table's first byte). They are computed
+// (default 16 KiB, relative to the table's first byte). They are computed
 // when the table is extracted or — in place — on first use (a sequential scan;
 // stored in `cache_dir` when one is given, else kept in memory for this open),
 // and every block read from disk is verified before any of its rows is used,
@@ -78,7 +78,9 @@ struct SpillStoreOptions {
   // Checksum block size for newly written checksum files (a power of two,
   // 4 KiB..16 MiB). Smaller blocks read fewer bytes per missing row; larger
   // ones make smaller checksum files. An existing checksum file keeps its own.
-  uint32_t block_bytes = 64u << 10;
+  // 16 KiB: a missing row of a 4 KiB-row table reads 4x its bytes instead of
+  // 16x with 64 KiB; 1.4-3.6x more rows/s for uniform ids (docs/BENCHMARKS.md).
+  uint32_t block_bytes = 16u << 10;
   // Largest single pread when gathering a batch's missing rows; also bounds
   // the transient read buffer of one Lookup (plus one block).
   uint64_t max_read_bytes = 1ull << 20;

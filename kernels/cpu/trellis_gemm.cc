@@ -83,6 +83,26 @@ void BuildInt8PositionOrder(const float* x_had, int64_t m, int64_t k, uint32_t* 
   }
 }
 
+// kBf16 activations of rows [i0, i1), in both layouts of TrellisGemmProblem:
+// packed per row group (x_bf16) and as AMX A tiles (x_bf16_tiles).
+void BuildBf16Activations(const float* x_had, int64_t i0, int64_t i1, int64_t k,
+                          uint32_t* x_bf16, uint16_t* x_bf16_tiles) {
+  const int64_t pairs = k / 2;
+  for (int64_t i = i0; i < i1; ++i) {
+    const float* row = x_had + i * k;
+    uint32_t* dst = x_bf16 + (i / kBf16RowGroup) * pairs * kBf16RowGroup + i % kBf16RowGroup;
+    uint16_t* tiles = x_bf16_tiles + (i / 16) * (k / 32) * 512 + (i % 16) * 32;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint16_t lo = FloatToBf16(row[2 * p]);
+      const uint16_t hi = FloatToBf16(row[2 * p + 1]);
+      dst[p * kBf16RowGroup] = lo | static_cast<uint32_t>(hi) << 16;
+      const int64_t r = 2 * p;
+      tiles[(r / 32) * 512 + r % 32] = lo;
+      tiles[(r / 32) * 512 + r % 32 + 1] = hi;
+    }
+  }
+}
+
 // §5.3 step 3 for one 128-column block, in place: y = (y'·B_n) ⊙ svh + bias.
 void OutputTransformBlock(const Exl3LinearView& view, int64_t m, int64_t block, float* y) {
   const int64_t n0 = block * kColumnBlock;
@@ -128,11 +148,26 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
   const int threads = options.max_threads;
 
   std::vector<float> x_had(static_cast<size_t>(m * k));
+  // kBf16: both bf16 activation layouts, rows converted by the task that
+  // transformed them (tasks write disjoint words; padding stays zero).
+  const bool bf16 = options.precision == TrellisGemmPrecision::kBf16;
+  std::vector<uint32_t> x_bf16;
+  std::vector<uint16_t> x_bf16_tiles;
+  if (bf16) {
+    const int64_t groups = (m + kBf16RowGroup - 1) / kBf16RowGroup;
+    const int64_t rows_pad = (m + kBf16AmxRows - 1) / kBf16AmxRows * kBf16AmxRows;
+    x_bf16.assign(static_cast<size_t>(groups * (k / 2) * kBf16RowGroup), 0u);
+    x_bf16_tiles.assign(static_cast<size_t>(rows_pad * k), 0);
+  }
   pool.ParallelFor((m + kInputRowsPerTask - 1) / kInputRowsPerTask, threads,
                    [&](int64_t task, int) {
                      const int64_t i0 = task * kInputRowsPerTask;
-                     InputTransformRows(view, x, i0, std::min(m, i0 + kInputRowsPerTask),
-                                        x_had.data());
+                     const int64_t i1 = std::min(m, i0 + kInputRowsPerTask);
+                     InputTransformRows(view, x, i0, i1, x_had.data());
+                     if (bf16) {
+                       BuildBf16Activations(x_had.data(), i0, i1, k, x_bf16.data(),
+                                            x_bf16_tiles.data());
+                     }
                    });
 
   TrellisGemmProblem problem;
@@ -146,7 +181,10 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
   std::vector<uint32_t> x_pair_i8;
   std::vector<float> x_scale;
   std::vector<int32_t> x_int_sum;
-  if (options.precision == TrellisGemmPrecision::kInt8) {
+  if (bf16) {
+    problem.x_bf16 = x_bf16.data();
+    problem.x_bf16_tiles = x_bf16_tiles.data();
+  } else if (options.precision == TrellisGemmPrecision::kInt8) {
     x_pos_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 32));
     x_pair_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 8));
     x_scale.resize(static_cast<size_t>(m));
@@ -176,6 +214,18 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
 // Scalar reference: decode through the codebook table (trellis_lut.h, bit-exact
 // W_h, §4), accumulate in fp32 over ascending k exactly like ReferenceForward.
 namespace cpu::scalar {
+namespace {
+
+// vdpbf16ps flushes results below 2^-126 in magnitude to zero of that sign.
+float Bf16FlushTiny(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, sizeof(b));
+  if ((b & 0x7F800000u) == 0) b &= 0x80000000u;
+  std::memcpy(&v, &b, sizeof(v));
+  return v;
+}
+
+}  // namespace
 
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block) {
   const Exl3LinearView& view = *problem.view;
@@ -187,6 +237,7 @@ void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t
   const int tile_values = TileInt16Count(view.bits);
   constexpr int kTilesPerBlock = internal::kColumnBlock / kTileDim;
   const bool int8 = problem.precision == TrellisGemmPrecision::kInt8;
+  const bool bf16 = problem.precision == TrellisGemmPrecision::kBf16;
 
   // One row of tiles of this block: W_h[16·tk .. 16·tk+15][n0 .. n0+127].
   float strip[kTileDim][internal::kColumnBlock];
@@ -209,7 +260,32 @@ void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t
             static_cast<int32_t>(Mul1ByteSum(states[j]));
       }
     }
+    if (bf16) {
+      for (int r = 0; r < kTileDim; ++r) {
+        for (int c = 0; c < internal::kColumnBlock; ++c) {
+          strip[r][c] = internal::Bf16ToFloat(internal::FloatToBf16(strip[r][c]));
+        }
+      }
+    }
     for (int64_t i = 0; i < m; ++i) {
+      if (bf16) {
+        // vdpbf16ps per k pair: acc += x[2p+1]·w[2p+1], then += x[2p]·w[2p];
+        // products of bf16 values are exact in fp32, each add rounds (RNE).
+        const uint32_t* xb = problem.x_bf16 +
+                             (i / internal::kBf16RowGroup) * (k / 2) * internal::kBf16RowGroup +
+                             i % internal::kBf16RowGroup;
+        float* out = problem.y + i * n + n0;
+        for (int r = 0; r < kTileDim; r += 2) {
+          const uint32_t word = xb[(tk * kTileDim + r) / 2 * internal::kBf16RowGroup];
+          const float x_lo = internal::Bf16ToFloat(static_cast<uint16_t>(word & 0xFFFF));
+          const float x_hi = internal::Bf16ToFloat(static_cast<uint16_t>(word >> 16));
+          for (int c = 0; c < internal::kColumnBlock; ++c) {
+            out[c] = Bf16FlushTiny(out[c] + x_hi * strip[r + 1][c]);
+            out[c] = Bf16FlushTiny(out[c] + x_lo * strip[r][c]);
+          }
+        }
+        continue;
+      }
       if (int8) {
         const int64_t groups = k / kTileDim;
         const uint32_t* xq = problem.x_pos_i8 + (i * groups + tk) * 32;

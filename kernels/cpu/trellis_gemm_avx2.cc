@@ -315,6 +315,11 @@ void Mul1WeightsForTest(const int32_t* t, int64_t count, float* w) {
 }
 
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block) {
+  if (problem.precision == TrellisGemmPrecision::kBf16) {
+    // No AVX2 kernel yet: the scalar reference is the bit-exact emulation.
+    scalar::TrellisGemmColumnBlock(problem, block);
+    return;
+  }
   switch (problem.view->codebook) {
     case Codebook::kMul1: ColumnBlockFor<Codebook::kMul1>(problem, block); break;
     case Codebook::kMcg: ColumnBlockFor<Codebook::kMcg>(problem, block); break;

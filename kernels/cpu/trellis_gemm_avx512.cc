@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/trellis_gemm_avx512_inl.h"
@@ -445,10 +446,175 @@ void GemmBlock(const TrellisGemmProblem& pr, int64_t n0) {
   }
 }
 
+// kBf16 emulation micro-kernel (AVX-512 CPUs without BF16): the same
+// arithmetic as vdpbf16ps lane by lane. A bf16 pair word splits into two
+// floats (<< 16, & 0xFFFF0000); the product of two bf16 values is exact in
+// fp32, so fma(x_hi, w_hi, acc) then fma(x_lo, w_lo, acc) rounds exactly
+// like vdpbf16ps's two adds; MXCSR FTZ/DAZ (set by the caller) flush tiny
+// partial sums like it does. Per k pair: 4 loads + 4 vpslld + 4 vpandd +
+// 6 x (2 broadcasts + 8 FMA): ~2x the fp32 kernel's FMA count.
+template <int kMr>
+void Bf16EmuMicroKernel(const uint32_t* x, const uint32_t* panel, int kc, float* y, int64_t ldy,
+                        bool first) {
+  __m512 acc[kMr][4];
+  for (int i = 0; i < kMr; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      acc[i][j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + i * ldy + 16 * j);
+    }
+  }
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int p = 0; p < kc / 2; ++p) {
+    __m512 wlo[4], whi[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m512i w = _mm512_load_si512(panel + p * kGemmPanel + 16 * j);
+      wlo[j] = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+      whi[j] = _mm512_castsi512_ps(_mm512_and_si512(w, hi_mask));
+    }
+    const uint32_t* xp = x + p * internal::kBf16RowGroup;
+    for (int i = 0; i < kMr; ++i) {
+      const __m512 xhi = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp[i] & 0xFFFF0000u)));
+      const __m512 xlo = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(xp[i] << 16)));
+      for (int j = 0; j < 4; ++j) {
+        acc[i][j] = _mm512_fmadd_ps(xhi, whi[j], acc[i][j]);
+        acc[i][j] = _mm512_fmadd_ps(xlo, wlo[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < kMr; ++i) {
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + i * ldy + 16 * j, acc[i][j]);
+  }
+}
+
+using Bf16MicroFn = void (*)(const uint32_t*, const uint32_t*, int, float*, int64_t, bool);
+constexpr Bf16MicroFn kBf16EmuMicro[internal::kBf16RowGroup + 1] = {
+    nullptr, Bf16EmuMicroKernel<1>, Bf16EmuMicroKernel<2>, Bf16EmuMicroKernel<3>,
+    Bf16EmuMicroKernel<4>, Bf16EmuMicroKernel<5>, Bf16EmuMicroKernel<6>};
+
+// fp32 rows 2q, 2q+1 of a 64-column panel -> bf16 pair words (RNE; fp16
+// weights are never NaN or below 2^-126, so no flush is needed here).
+inline void PackBf16Pairs(const float* lo_row, const float* hi_row, uint32_t* dst) {
+  const __m512i half = _mm512_set1_epi32(0x7FFF);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int j = 0; j < kGemmPanel / 16; ++j) {
+    __m512i lo = _mm512_castps_si512(_mm512_load_ps(lo_row + 16 * j));
+    __m512i hi = _mm512_castps_si512(_mm512_load_ps(hi_row + 16 * j));
+    lo = _mm512_add_epi32(lo, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(lo, 16), one)));
+    hi = _mm512_add_epi32(hi, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(hi, 16), one)));
+    // (lo >> 16) | (hi & 0xFFFF0000): vpternlogd with the mask as third operand.
+    _mm512_store_si512(dst + 16 * j,
+                       _mm512_ternarylogic_epi32(_mm512_srli_epi32(lo, 16), hi,
+                                                 _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)),
+                                                 0xF8));  // a | (b & c)
+  }
+}
+
+// kBf16 tile GEMM for one 128-column block: decode kc rows x 128 columns to
+// fp32 (as GemmBlock), round to bf16 pair panels (2 x kc/2 x 64 words), then
+//  - AMX (AmxEnabled): kc = kBf16AmxKc; TDPBF16PS over 32x32 output tiles
+//    into an fp32 accumulator block (rows padded to 32), copied to y at the end;
+//  - else kc = kGemmKc (32 KB of panels, L1): the vdpbf16ps micro-kernel, or
+//    its FMA emulation, per row group: the scalar reference's order.
+// Ascending k chunks either way; nothing depends on the thread.
+constexpr int kBf16AmxKc = 512;
+
+template <int K, Codebook kCb, bool kVnni>
+void GemmBlockBf16(const TrellisGemmProblem& pr, int64_t n0) {
+  const Exl3LinearView& view = *pr.view;
+  const int64_t k = view.k;
+  const int64_t n = view.n;
+  const int64_t m = pr.m;
+  const int64_t tiles_n = n / kTileDim;
+  const WindowTables<K>& wt = GetWindowTables<K>();
+  const __m512i shift = _mm512_load_si512(wt.shift);
+  const ScatterTable& st = GetScatterTable();
+  struct Buffers {
+    float* f32 =
+        static_cast<float*>(std::aligned_alloc(64, 2 * kBf16AmxKc * kGemmPanel * sizeof(float)));
+    uint32_t* bf16 =
+        static_cast<uint32_t*>(std::aligned_alloc(64, kBf16AmxKc * kGemmPanel * sizeof(uint32_t)));
+    std::vector<float> amx_acc;
+    ~Buffers() {
+      std::free(f32);
+      std::free(bf16);
+    }
+  };
+  thread_local Buffers buffers;
+  if (k == 0) {
+    for (int64_t i = 0; i < m; ++i) std::fill_n(pr.y + i * n + n0, internal::kColumnBlock, 0.0f);
+    return;
+  }
+  const bool amx = avx512bf16::AmxEnabled();
+  const int chunk = amx ? kBf16AmxKc : kGemmKc;
+  const int64_t rows_pad = (m + internal::kBf16AmxRows - 1) / internal::kBf16AmxRows *
+                           internal::kBf16AmxRows;
+  if (amx) buffers.amx_acc.assign(static_cast<size_t>(rows_pad * internal::kColumnBlock), 0.0f);
+  const bool native = avx512bf16::Enabled();
+  unsigned saved_csr = 0;
+  if (!native && !amx) {
+    saved_csr = _mm_getcsr();
+    _mm_setcsr(saved_csr | 0x8040u);  // FTZ | DAZ, restored below
+  }
+  const int64_t pairs = k / 2;
+  for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+    const int kc = static_cast<int>(std::min<int64_t>(chunk, k - k0));
+    for (int tkl = 0; tkl < kc / kTileDim; ++tkl) {
+      const int64_t tk = k0 / kTileDim + tkl;
+      for (int tn = 0; tn < kTilesPerBlock; ++tn) {
+        const TileRegs<K> regs =
+            LoadTile<K>(view.trellis + (tk * tiles_n + n0 / kTileDim + tn) * 16 * K, wt);
+        float* dst = buffers.f32 + (tn / 4) * chunk * kGemmPanel + tkl * kTileDim * kGemmPanel +
+                     (tn % 4) * kTileDim;
+        alignas(64) float decoded[kTileWeights];
+        Unroll<kVectors>([&]<int V>() {
+          _mm512_store_ps(decoded + 16 * V, DecodeStates<kCb, kVnni>(States<K, V>(regs, wt, shift)));
+        });
+        for (int j = 0; j < kTileWeights; ++j) dst[st.offset[j]] = decoded[j];
+      }
+    }
+    for (int panel = 0; panel < 2; ++panel) {
+      const float* src = buffers.f32 + panel * chunk * kGemmPanel;
+      uint32_t* dst = buffers.bf16 + panel * (chunk / 2) * kGemmPanel;
+      for (int q = 0; q < kc / 2; ++q) {
+        PackBf16Pairs(src + 2 * q * kGemmPanel, src + (2 * q + 1) * kGemmPanel, dst + q * kGemmPanel);
+      }
+    }
+    if (amx) {
+      avx512bf16::AmxChunk(pr.x_bf16_tiles + k0 * 16, k, rows_pad, buffers.bf16, (chunk / 2) * kGemmPanel,
+                           kc, buffers.amx_acc.data());
+      continue;
+    }
+    for (int64_t i = 0; i < m; i += internal::kBf16RowGroup) {
+      const int rows = static_cast<int>(std::min<int64_t>(internal::kBf16RowGroup, m - i));
+      const uint32_t* xg = pr.x_bf16 + (i / internal::kBf16RowGroup) * pairs * internal::kBf16RowGroup +
+                           (k0 / 2) * internal::kBf16RowGroup;
+      for (int panel = 0; panel < 2; ++panel) {
+        const uint32_t* w = buffers.bf16 + panel * (chunk / 2) * kGemmPanel;
+        float* yp = pr.y + i * n + n0 + panel * kGemmPanel;
+        if (native) {
+          avx512bf16::MicroKernel(rows, xg, w, kc, yp, n, k0 == 0);
+        } else {
+          kBf16EmuMicro[rows](xg, w, kc, yp, n, k0 == 0);
+        }
+      }
+    }
+  }
+  if (!native && !amx) _mm_setcsr(saved_csr);
+  if (amx) {
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(pr.y + i * n + n0, buffers.amx_acc.data() + i * internal::kColumnBlock,
+                  internal::kColumnBlock * sizeof(float));
+    }
+  }
+}
+
 template <int K, Codebook kCb, bool kVnni>
 void ColumnBlockFor(const TrellisGemmProblem& pr, int64_t block) {
   const int64_t n0 = block * internal::kColumnBlock;
   const int64_t m = pr.m;
+  if (pr.precision == TrellisGemmPrecision::kBf16) {
+    GemmBlockBf16<K, kCb, kVnni>(pr, n0);
+    return;
+  }
   if constexpr (kCb == Codebook::kMul1 && K <= 4 && kVnni) {
     // VBMI/VBMI2 CPUs: the column-sliced GEMV (trellis_gemm_gemv_avx512icl.cc).
     if (avx512icl::Enabled()) {

@@ -45,6 +45,35 @@ inline constexpr int32_t kFloatMagicBits = 0x4B000000;
 inline constexpr float kMul1MagicOffset = -7266746.0f / 128.0f;
 static_assert(kMul1MagicOffset == kMul1Offset - 8388608.0f * kMul1Slope);
 
+// kBf16 (trellis_gemm.h): fp32 -> bf16 bits, round to nearest even; results
+// below 2^-126 in magnitude (bf16 subnormals, which vdpbf16ps reads as zero)
+// become ±0; NaN stays a (quiet) NaN, overflow rounds to ±inf.
+inline uint16_t FloatToBf16(float f) {
+  uint32_t b;
+  __builtin_memcpy(&b, &f, sizeof(b));
+  if ((b & 0x7F800000u) == 0) return static_cast<uint16_t>((b >> 16) & 0x8000u);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x40u);
+  b += 0x7FFFu + ((b >> 16) & 1u);  // a normal never rounds down to a subnormal
+  return static_cast<uint16_t>(b >> 16);
+}
+inline float Bf16ToFloat(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &b, sizeof(f));
+  return f;
+}
+// kBf16 activations are packed for the micro-kernels: rows in groups of
+// kBf16RowGroup (the last group zero-padded), word [g][p][l] (p < k/2) =
+// bf16 of x'[6g + l][2p] in the low half, of x'[6g + l][2p + 1] in the high
+// half, so one k-pair step of a row group reads 24 contiguous bytes.
+inline constexpr int64_t kBf16RowGroup = 6;
+// The AMX kernel reads the bf16 activations as ready-made A tiles: m padded
+// with zero rows to a multiple of kBf16AmxRows (two 16-row tiles), element
+// [i][r] at ((i/16)·(k/32) + r/32)·512 + (i%16)·32 + r%32, so a tile (16 rows
+// x 32 k) is 1 KB contiguous (row-major rows 16 KB apart would all fall in
+// one L1 set).
+inline constexpr int64_t kBf16AmxRows = 32;
+
 struct TrellisGemmProblem {
   const Exl3LinearView* view = nullptr;
   int64_t m = 0;
@@ -61,6 +90,10 @@ struct TrellisGemmProblem {
   const uint32_t* x_pair_i8 = nullptr;
   const float* x_scale = nullptr;
   const int32_t* x_int_sum = nullptr;
+  // kBf16: ceil(m / kBf16RowGroup) x (k/2) x kBf16RowGroup words (see above).
+  const uint32_t* x_bf16 = nullptr;
+  // kBf16: roundup(m, kBf16AmxRows) x k bf16 in A-tile order (see above).
+  const uint16_t* x_bf16_tiles = nullptr;
   float* y = nullptr;  // m x n
 };
 
@@ -100,6 +133,38 @@ internal::ColumnBlockFn Mul1GemvBlockFn(int bits, bool int8);
 void SetEnabledForTest(bool enabled);
 bool Enabled();  // Supported() and not disabled for a test
 }  // namespace exl3serve::kernels::cpu::avx512icl
+namespace exl3serve::kernels::cpu::avx512bf16 {
+// trellis_gemm_bf16_avx512bf16.cc: the kBf16 micro-kernel (vdpbf16ps).
+// Supported(): the CPU and OS allow AVX512-BF16. SetEnabledForTest(false)
+// makes the AVX-512 variant use its emulation instead (tests cover both).
+bool Supported();
+void SetEnabledForTest(bool enabled);
+bool Enabled();
+// y[i][c] (+)= Σ_{p < kc/2} (x'[i][k0+2p+1]·w[2p+1][c] then x'[i][k0+2p]·w[2p][c])
+// for i < rows (<= kBf16RowGroup), c < 64, in kBf16 arithmetic. x: the row
+// group's packed words from pair k0/2 on (stride kBf16RowGroup per pair);
+// panel: kc/2 x 64 words, word [p][c] = bf16 w[2p][c] | bf16 w[2p+1][c] << 16
+// (64-byte aligned); first: start from 0 instead of y.
+void MicroKernel(int rows, const uint32_t* x, const uint32_t* panel, int kc, float* y,
+                 int64_t ldy, bool first);
+// AMX-BF16 (TDPBF16PS): AmxSupported() = CPUID + XCR0 tile state + the
+// kernel granted XTILEDATA (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per
+// process; false if refused). AmxEnabled() also honours SetAmxEnabledForTest.
+// The hardware sums each bf16 pair (and more) before adding to the
+// accumulator, in an undocumented order, so the AMX result is NOT bit-equal
+// to the vdpbf16ps/scalar arithmetic; it differs by fp32 accumulation error
+// only and is deterministic (fixed tile walk, independent of threads).
+bool AmxSupported();
+void SetAmxEnabledForTest(bool enabled);
+bool AmxEnabled();
+// acc[i][c] += Σ_{kk < kc} x[i][k0 + kk]·w[kk][c] for i < rows (multiple of
+// kBf16AmxRows), c < 128. x: x_bf16_tiles + k0·16 (the tile of rows 0-15,
+// columns k0..k0+31), k = the full row length; panels: two panels (columns 0-63, 64-127) of kc/2 x 64 pair
+// words (layout of MicroKernel), panel_words apart; kc % 32 == 0; acc:
+// rows x 128 fp32, row-major.
+void AmxChunk(const uint16_t* x, int64_t k, int64_t rows, const uint32_t* panels,
+              int64_t panel_words, int kc, float* acc);
+}  // namespace exl3serve::kernels::cpu::avx512bf16
 namespace exl3serve::kernels::cpu::avx512 {
 void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t block);
 // Test hook: the SIMD mul1 weight (t -> fp32 value of the fp16 weight) the

@@ -3,7 +3,7 @@
 // for uniform and Zipf(1.1) ids, cold and warm.
 //
 //   spill_store_bench [--rows 65536] [--width 2048] [--cache-mib 32] [--batch 64]
-//                     [--batches 400] [--block-kib 64] [--dir /tmp]
+//                     [--batches 400] [--block-kib 16] [--dir /tmp]
 //
 // The table is BF16 [rows, width] in a safetensors file written under --dir.
 // "cold": before the run the file's pages are dropped from the page cache with
@@ -60,7 +60,7 @@ void DropPageCache(const std::string& path) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t rows = 65536, width = 2048, cache_mib = 32, batch = 64, batches = 400, block_kib = 64;
+  int64_t rows = 65536, width = 2048, cache_mib = 32, batch = 64, batches = 400, block_kib = 16;
   std::string dir = "/tmp";
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];

@@ -28,7 +28,8 @@
 //
 // Flags (comma lists): --shapes --ks (mul1) --ks-3inst --batches --threads
 // (numbers or "all") --isa=auto|scalar|avx2|avx512 --int8 (adds int8 rows for
-// mul1) --repeats=N --max-seconds=S (per row) --cycle-mib=M --dram-mib=M
+// mul1) --no-bf16 (drops the kBf16 rows: mul1 and 3inst, batches >= 64 only;
+// vdpbf16ps where the CPU has AVX512-BF16) --repeats=N --max-seconds=S (per row) --cycle-mib=M --dram-mib=M
 // --no-baseline.
 #include <algorithm>
 #include <chrono>
@@ -69,6 +70,7 @@ struct Options {
   std::vector<int> threads;  // filled with {1, all}
   std::string isa = "auto";
   bool int8 = false;
+  bool bf16 = true;
   bool baseline = true;
   int repeats = 30;
   double max_seconds = 1.0;
@@ -84,7 +86,7 @@ void Usage() {
   std::fprintf(stderr,
                "usage: trellis_gemv_bench [--quick|--full] [--shapes=4096x4096,...] [--ks=2,3,4]\n"
                "  [--ks-3inst=2,4] [--batches=1,16,512] [--threads=1,all] [--isa=auto]\n"
-               "  [--int8] [--repeats=30] [--max-seconds=1] [--cycle-mib=1024] [--dram-mib=2048]\n"
+               "  [--int8] [--no-bf16] [--repeats=30] [--max-seconds=1] [--cycle-mib=1024] [--dram-mib=2048]\n"
                "  [--no-baseline]\n");
 }
 
@@ -145,6 +147,8 @@ bool ParseArgs(int argc, char** argv, Options& o) {
       o.isa = value;
     } else if (key == "--int8") {
       o.int8 = true;
+    } else if (key == "--no-bf16") {
+      o.bf16 = false;
     } else if (key == "--no-baseline") {
       o.baseline = false;
     } else if (key == "--repeats") {
@@ -314,8 +318,12 @@ int main(int argc, char** argv) {
     for (int k : o.ks) {
       rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kFloat});
       if (o.int8) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kInt8});
+      if (o.bf16) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kBf16});
     }
-    for (int k : o.ks_3inst) rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kFloat});
+    for (int k : o.ks_3inst) {
+      rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kFloat});
+      if (o.bf16) rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kBf16});
+    }
   }
   std::printf("TrellisGemm (isa %s):\n", bench::ActiveIsaName().c_str());
   std::printf("%-11s %-5s %2s %4s %6s %4s %5s %7s %11s %11s %8s %8s %6s %8s %6s %6s\n", "shape",
@@ -333,9 +341,12 @@ int main(int argc, char** argv) {
   // Medians of the mul1 fp32 4096x4096 rows the goals are about,
   // keyed by (K, batch, threads).
   std::map<std::tuple<int, int64_t, int>, double> goal_s;
+  std::map<std::tuple<int, int64_t, int>, double> goal_bf16_s;  // the same for kBf16
   int failures = 0;
   for (const Row& row : rows) {
     for (int64_t m : o.batches) {
+      // kBf16 is the prefill path: small batches keep the register GEMV.
+      if (row.precision == TrellisGemmPrecision::kBf16 && m < 64) continue;
       for (int t : o.threads) {
         bench::GemvCase c{.k = row.shape.k,
                           .n = row.shape.n,
@@ -358,6 +369,10 @@ int main(int argc, char** argv) {
             c.precision == TrellisGemmPrecision::kFloat) {
           goal_s[{c.bits, m, t}] = sec;
         }
+        if (c.k == 4096 && c.n == 4096 && c.codebook == Codebook::kMul1 &&
+            c.precision == TrellisGemmPrecision::kBf16) {
+          goal_bf16_s[{c.bits, m, t}] = sec;
+        }
         const double w = static_cast<double>(c.k) * c.n;
         const double gbs = r->bytes_per_copy / sec / 1e9;
         const auto dram = dram_bytes_per_s.find(t);
@@ -367,7 +382,10 @@ int main(int argc, char** argv) {
             "%6s %6s\n",
             static_cast<long long>(c.k), static_cast<long long>(c.n),
             bench::CodebookName(c.codebook).c_str(), c.bits,
-            c.precision == TrellisGemmPrecision::kInt8 ? "int8" : "fp32", static_cast<long long>(m),
+            c.precision == TrellisGemmPrecision::kInt8   ? "int8"
+            : c.precision == TrellisGemmPrecision::kBf16 ? "bf16"
+                                                          : "fp32",
+            static_cast<long long>(m),
             t, r->timing.samples, static_cast<long long>(r->copies), sec * 1e6,
             r->timing.p10_s * 1e6, w / sec / 1e9, gbs,
             dram == dram_bytes_per_s.end() ? 0.0 : 100.0 * gbs * 1e9 / dram->second,
@@ -379,8 +397,12 @@ int main(int argc, char** argv) {
     }
   }
   // The goals, where this run measured them.
-  std::string batch1, batch512;
+  std::string batch1, batch512, batch512_bf16;
   for (int bits : {2, 3, 4}) {
+    if (auto it = goal_bf16_s.find({bits, 512, 2}); it != goal_bf16_s.end()) {
+      absl::StrAppend(&batch512_bf16, " K=", bits, ": ",
+                      absl::StrFormat("%.0f", 2.0 * 512 * 4096 * 4096 / it->second / 1e9));
+    }
     if (auto it = goal_s.find({bits, 1, 2}); it != goal_s.end()) {
       absl::StrAppend(&batch1, " K=", bits, ": ",
                       absl::StrFormat("%.1f", 4096.0 * 4096 / it->second / 1e9));
@@ -390,14 +412,18 @@ int main(int argc, char** argv) {
                       absl::StrFormat("%.0f", 2.0 * 512 * 4096 * 4096 / it->second / 1e9));
     }
   }
-  if (!batch1.empty() || !batch512.empty())
-    std::printf("\ngoals (4096x4096, mul1, fp32, 2 threads):\n");
+  if (!batch1.empty() || !batch512.empty() || !batch512_bf16.empty())
+    std::printf("\ngoals (4096x4096, mul1, 2 threads; fp32 unless marked bf16):\n");
   if (!batch1.empty()) {
     std::printf("  batch 1   >= 26 G weights/s (1.5x ik_llama.cpp):%s\n", batch1.c_str());
   }
   if (!batch512.empty()) {
     std::printf("  batch 512 >= %.0f GFLOP/s (ik_llama.cpp, top of 333-397):%s\n",
                 kIkBatch512Gflops2Threads, batch512.c_str());
+  }
+  if (!batch512_bf16.empty()) {
+    std::printf("  batch 512 bf16 >= %.0f GFLOP/s:%s\n", kIkBatch512Gflops2Threads,
+                batch512_bf16.c_str());
   }
   const double total =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

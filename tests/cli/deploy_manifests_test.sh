@@ -5,8 +5,11 @@
 # against its Kubernetes schema (npm kubernetes-models, installed once into
 # the build dir; tests/cli/lib/validate_k8s.js); every manifest carries
 # deploy/cluster/cluster.yaml byte for byte; `exl3serve coordinator --config`
-# accepts it (started on loopback with a test model until "listening on"); the
-# probe, Service, --coordinator and --metrics ports equal the cluster YAML's.
+# accepts it (started on loopback with a test model and throwaway rank
+# credentials until "listening on"), refuses it without the rank credentials,
+# and `launch --dry-run` plans each of its boxes; the probe, Service,
+# --coordinator and --metrics ports equal the cluster YAML's, and every rank
+# carries the rank credentials the YAML names.
 # A missing validator (yamllint, kubectl, node/npm or the network for npm)
 # prints SKIP and exits 77 after running the rest.
 set -uo pipefail
@@ -27,10 +30,28 @@ else
   skipped+=("yamllint not installed (scripts/install-deps.sh)")
 fi
 
-# 2. The cluster YAML: accepted by the coordinator (loopback, a test model).
+# 2. The cluster YAML: accepted by the coordinator (loopback, a test model,
+# throwaway rank credentials in place of /etc/exl3serve-secrets/).
 "$BIN" make-test-model --arch llama --out "$WORK/model" >/dev/null || fail "make-test-model"
-sed -e "s#^model_dir: .*#model_dir: $WORK/model#" \
-    -e 's#^\(listen_address\|api_address\): .*#\1: 127.0.0.1:0#' "$CLUSTER" >"$WORK/cluster.yaml"
+if command -v openssl >/dev/null; then
+  S=$WORK/secrets
+  mkdir -p "$S"
+  ossl() { openssl "$@" >/dev/null 2>&1 || fail "openssl $*"; }
+  ossl req -x509 -newkey rsa:2048 -nodes -keyout "$S/ca.key" -out "$S/cluster-ca.pem" -days 2 -subj /CN=ca \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+  for n in rank-endpoint rank; do
+    ossl req -newkey rsa:2048 -nodes -keyout "$S/$n.key" -out "$S/$n.csr" -subj "/CN=exl3serve-leader"
+    ossl x509 -req -in "$S/$n.csr" -CA "$S/cluster-ca.pem" -CAkey "$S/ca.key" -CAcreateserial \
+      -out "$S/$n.pem" -days 2
+  done
+  echo "token-$RANDOM" >"$S/rank-token"
+  sed -e "s#^model_dir: .*#model_dir: $WORK/model#" -e "s#/etc/exl3serve-secrets/#$S/#" \
+      -e 's#^\(listen_address\|api_address\): .*#\1: 127.0.0.1:0#' "$CLUSTER" >"$WORK/cluster.yaml"
+else
+  skipped+=("openssl not installed: the rank credentials are dropped for the coordinator check")
+  sed -e "s#^model_dir: .*#model_dir: $WORK/model#" -e '/^  rank_/d' -e '/^rank_token_file:/d' -e '/^tls:/d' \
+      -e 's#^\(listen_address\|api_address\): .*#\1: 127.0.0.1:0#' "$CLUSTER" >"$WORK/cluster.yaml"
+fi
 "$BIN" coordinator --config "$WORK/cluster.yaml" >"$WORK/coord.out" 2>&1 &
 pid=$!
 for _ in $(seq 100); do grep -q '^listening on' "$WORK/coord.out" && break; sleep 0.1; done
@@ -41,6 +62,29 @@ echo "ok: exl3serve coordinator accepts deploy/cluster/cluster.yaml"
 sed 's#^world_size:#wrold_size:#' "$WORK/cluster.yaml" >"$WORK/bad.yaml"
 timeout 10 "$BIN" coordinator --config "$WORK/bad.yaml" >"$WORK/bad.out" 2>&1 && fail "bad config accepted"
 grep -q 'wrold_size' "$WORK/bad.out" || fail "bad config error does not name the key"
+# The file as it is (not edited): its rank endpoint on every address is
+# accepted only with the rank credentials, and `launch --dry-run` plans every
+# box (no file is read): each rank gets the credentials, NICs and GPU.
+sed -e '/^rank_token_file:/d' -e '/^  rank_/d' -e '/^tls:/d' "$CLUSTER" >"$WORK/open.yaml"
+timeout 10 "$BIN" coordinator --config "$WORK/open.yaml" >"$WORK/open.out" 2>&1 && fail "no rank credentials accepted"
+grep -q 'config key `listen_address`: refusing to listen for ranks on 0.0.0.0' "$WORK/open.out" ||
+  { cat "$WORK/open.out"; fail "no clear error without rank credentials"; }
+python3 -c 'import sys,yaml; print(" ".join(b["name"] for b in yaml.safe_load(open(sys.argv[1]))["boxes"]))' \
+  "$CLUSTER" >"$WORK/boxes" || fail "boxes"
+for box in $(cat "$WORK/boxes"); do
+  "$BIN" launch --config "$CLUSTER" --box "$box" --dry-run >"$WORK/launch-$box.out" 2>&1 ||
+    { cat "$WORK/launch-$box.out"; fail "launch --dry-run --box $box"; }
+  grep '^launch: would run rank' "$WORK/launch-$box.out" | while read -r line; do
+    for want in "--tls-ca /etc/exl3serve-secrets/cluster-ca.pem" "--tls-cert /etc/exl3serve-secrets/rank.pem" \
+        "--rank-token-file /etc/exl3serve-secrets/rank-token" "--tls-server-name exl3serve-leader" \
+        "--nccl-socket-ifname" "CUDA_VISIBLE_DEVICES=" "UCX_NET_DEVICES="; do
+      [[ "$line" == *"$want"* ]] || { echo "$line"; exit 1; }
+    done
+  done || fail "launch --dry-run --box $box: a rank misses its credentials, NICs or GPU"
+done
+grep -q "^launch: would run: exl3serve coordinator" "$WORK"/launch-*.out || fail "no box runs the coordinator"
+timeout 10 "$BIN" launch --config "$CLUSTER" --box nosuch --dry-run >"$WORK/nobox.out" 2>&1 && fail "--box nosuch accepted"
+echo "ok: launch --dry-run plans every box of deploy/cluster/cluster.yaml ($(cat "$WORK/boxes"))"
 
 # 3. Render the kustomizations.
 rendered=()
@@ -97,6 +141,14 @@ def check_args(args, where):
     if m and int(m.group(1)) != ranks: die(f'{where}: --coordinator port {m.group(1)} != {ranks}')
     m = re.search(r'--world-size[= ](\d+)', s)
     if m and int(m.group(1)) != ws: die(f'{where}: --world-size {m.group(1)} != {ws}')
+    if re.search(r'--coordinator[= ]', s):  # a rank: the channel's credentials of cluster.yaml
+        tls = c.get('tls', {})
+        for flag, want in (('--tls-ca', tls.get('rank_ca')), ('--tls-cert', tls.get('rank_client_cert')),
+                           ('--tls-key', tls.get('rank_client_key')),
+                           ('--tls-server-name', tls.get('rank_server_name')),
+                           ('--rank-token-file', c.get('rank_token_file'))):
+            if want and not re.search(rf'{flag}[= ]{re.escape(want)}(?=[\s\'"]|$)', s):
+                die(f'{where}: {flag} is not {want} (cluster.yaml)')
 for f in rendered:
     objs = json.load(open(f))
     cms = {o['metadata']['name']: o for o in objs if o['kind'] == 'ConfigMap'}

@@ -5,6 +5,11 @@
 #     them) passes `promtool check metrics`;
 #   * the counters and histograms moved (generation tokens, finished requests
 #     by reason, TTFT/ITL, per-rank forward time, collective latency);
+#   * the ranks spill the token embedding (--spill-embeddings): the spill-store
+#     series (lookups, cache hits, reads, bytes, read latency) moved, and the
+#     answer's tokens equal `generate --tp 2` without spilling;
+#   * a second cluster on a MoE test model (--tp 2 --ep 2) exports
+#     exl3serve:expert_tokens_total for each rank's own experts;
 #   * every metric deploy/grafana/exl3serve.json queries is exported;
 #   * the real Prometheus server (Debian `prometheus`) scrapes all three
 #     endpoints (bounded polling of its HTTP API until the targets are up)
@@ -64,7 +69,8 @@ PY
 
 MPORT=$(free_ports 3); [ -n "$MPORT" ] || fail "no 3 consecutive free ports"
 "$BIN" --log-level warning serve --model "$WORK/model" --tp 2 --port 0 --kv-pages 128 \
-    --metrics-port "$MPORT" --shutdown-grace-ms 2000 >"$WORK/serve.log" 2>&1 &
+    --metrics-port "$MPORT" --shutdown-grace-ms 2000 --spill-embeddings --spill-cache-bytes 65536 \
+    >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -136,6 +142,67 @@ for r in 0 1; do
   ge "$(value "$R" "exl3serve:collective_latency_seconds_count\\{[^}]*backend=\"shm\"")" 1 ||
     fail "rank $r: no shm collective timed"
 done
+# The spilled embedding: every prompt and generated token was looked up on each
+# rank (N requests of 4 + 8 tokens; the last generated token is not fed back).
+for r in 0 1; do
+  R="$WORK/rank$r.prom"
+  T='tensor="model.embed_tokens.weight"'
+  ge "$(value "$R" "exl3serve:spill_lookups_total\\{[^}]*$T")" $((N * 11)) || fail "rank $r: spill_lookups_total < $((N * 11))"
+  grep -q "^exl3serve:spill_cache_hits_total{.*$T" "$R" || fail "rank $r: no spill_cache_hits_total"
+  ge "$(value "$R" "exl3serve:spill_reads_total\\{[^}]*$T")" 1 || fail "rank $r: no spill reads"
+  ge "$(value "$R" "exl3serve:spill_read_bytes_total\\{[^}]*$T")" 1 || fail "rank $r: no spill bytes"
+  ge "$(value "$R" "exl3serve:spill_read_latency_seconds_count\\{[^}]*$T")" 1 || fail "rank $r: no spill read latency"
+done
+# Spilling is transparent: the same greedy tokens as two ranks holding the embedding.
+"$BIN" client --addr "$ADDR" --prompt-ids 1,42,7,9 --max-tokens 8 --ignore-eos --ids \
+    >"$WORK/spill-answer.txt" 2>"$WORK/client.err" || { cat "$WORK/client.err"; fail "spill request"; }
+"$BIN" --log-level warning generate --model "$WORK/model" --tp 2 --prompt-ids 1,42,7,9 --max-tokens 8 \
+    --ignore-eos --ids >"$WORK/resident-answer.txt" 2>"$WORK/generate.log" || fail "generate --tp 2"
+[ "$(tr -s ' \n' ' ' <"$WORK/spill-answer.txt" | xargs)" = "$(tr -s ' \n' ' ' <"$WORK/resident-answer.txt" | xargs)" ] ||
+  fail "spilled serve answered '$(cat "$WORK/spill-answer.txt")', resident generate '$(cat "$WORK/resident-answer.txt")'"
+echo "spill: both ranks export spill-store series; answer equals the resident run: $(xargs <"$WORK/spill-answer.txt")"
+
+# Expert load on a MoE cluster (pure expert parallelism: each rank holds half the experts).
+"$BIN" make-test-model --arch qwen3-moe --out "$WORK/moe" >/dev/null || fail "make-test-model moe"
+MOE_PORT=$(free_ports 3); [ -n "$MOE_PORT" ] || fail "no 3 consecutive free ports (moe)"
+"$BIN" --log-level warning serve --model "$WORK/moe" --tp 2 --ep 2 --port 0 --kv-pages 64 \
+    --metrics-port "$MOE_PORT" --shutdown-grace-ms 2000 >"$WORK/moe-serve.log" 2>&1 &
+MOE_PID=$!
+MOE_ADDR=""
+for _ in $(seq 600); do
+  MOE_ADDR=$(sed -n 's/^listening on //p' "$WORK/moe-serve.log")
+  [ -n "$MOE_ADDR" ] && break
+  kill -0 "$MOE_PID" 2>/dev/null || fail "moe serve exited before listening"
+  sleep 0.1
+done
+[ -n "$MOE_ADDR" ] || { stop_pid "$MOE_PID"; fail "moe: no 'listening on' line in 60 s"; }
+"$BIN" client --addr "$MOE_ADDR" --health --wait-ready-ms 120000 >/dev/null || { stop_pid "$MOE_PID"; fail "moe not ready"; }
+"$BIN" client --addr "$MOE_ADDR" --prompt-ids 3,1,4,1,5 --max-tokens 6 --ignore-eos --ids >/dev/null 2>&1 ||
+  { stop_pid "$MOE_PID"; fail "moe request"; }
+for r in 0 1; do
+  curl -sf --max-time 10 "http://127.0.0.1:$((MOE_PORT + 1 + r))/metrics" >"$WORK/moe-rank$r.prom" ||
+    { stop_pid "$MOE_PID"; fail "scrape moe rank $r"; }
+done
+stop_pid "$MOE_PID"
+for r in 0 1; do
+  R="$WORK/moe-rank$r.prom"
+  promtool check metrics <"$R" >"$WORK/promtool-moe$r.log" 2>&1; rc=$?
+  if [ $rc = 3 ]; then
+    grep -v "^exl3serve:[a-zA-Z0-9_:]* metric names should not contain ':'$" "$WORK/promtool-moe$r.log" \
+        >"$WORK/promtool-moe$r.other" && { cat "$WORK/promtool-moe$r.other"; fail "promtool lint: moe rank $r"; }
+  elif [ $rc != 0 ]; then
+    cat "$WORK/promtool-moe$r.log"; fail "promtool check metrics: moe rank $r (rc $rc)"
+  fi
+  series=$(grep -c "^exl3serve:expert_tokens_total{.*rank=\"$r\"" "$R")
+  [ "$series" -ge 1 ] || fail "moe rank $r: no expert_tokens_total series"
+  ge "$(value "$R" "exl3serve:expert_tokens_total\\{[^}]*rank=\"$r\"")" 1 || fail "moe rank $r: no tokens routed to its experts"
+done
+# Pure EP over 2 ranks: disjoint experts.
+e0=$(grep -o '^exl3serve:expert_tokens_total{[^}]*' "$WORK/moe-rank0.prom" | grep -o 'expert="[0-9]*"' | sort)
+e1=$(grep -o '^exl3serve:expert_tokens_total{[^}]*' "$WORK/moe-rank1.prom" | grep -o 'expert="[0-9]*"' | sort)
+[ -z "$(comm -12 <(echo "$e0") <(echo "$e1"))" ] || fail "moe: ranks report the same experts: $e0 / $e1"
+echo "expert load: rank 0 $(echo $e0), rank 1 $(echo $e1)"
+
 # GetServerInfo carries the step totals bench-serve reads (fields 13-15).
 INFO=$("$BIN" client --addr "$ADDR" --info) || fail "client --info"
 echo "$INFO" | grep -Eq '"num_steps": *"?[1-9]' || fail "--info lacks num_steps: $INFO"
@@ -199,6 +266,7 @@ query 'exl3serve:time_to_first_token_seconds_count' 1
 query 'sum by (le) (exl3serve:time_to_first_token_seconds_bucket)' 10
 query 'sum by (rank) (exl3serve:rank_forward_seconds_count)' 2
 query 'sum by (rank) (exl3serve:collective_latency_seconds_count)' 2
+query 'sum by (rank) (exl3serve:spill_lookups_total)' 2
 stop_pid "$PROM_PID"; PROM_PID=""
 
 stop_pid "$SERVER_PID"; rc=$?; SERVER_PID=""

@@ -5,13 +5,18 @@
 # to this run; no traffic leaves these namespaces). Collectives: UCX over TCP,
 # bootstrap on box A. Each box runs `ip netns exec NS exl3serve launch
 # --config F --box X`; the API listens on 127.0.0.1 inside the coordinator's
-# namespace and the client runs there.
+# namespace and the client runs there. The rank endpoint listens on every
+# address with TLS, mutual TLS and a rank token (a throwaway CA, openssl);
+# the YAML's boxes carry devices, NICs and NCCL settings, which launch hands
+# to each rank (flags and environment, checked in /proc).
 #   1. a streamed request returns the ids of `exl3serve generate` on the model;
-#   2. box B's link goes down: within the heartbeat timeout (+ slack) the
-#      coordinator reports not ready, rank 1 down (GetServerInfo) and health
-#      not SERVING;
-#   3. the link comes back: the group re-forms (rank 1 reconnects) and a new
-#      request returns the same ids.
+#   2. box B's link goes down while a request is in flight: within the
+#      heartbeat timeout (+ slack) the coordinator reports not ready, rank 1
+#      down (GetServerInfo), grpc.health.v1 NOT_SERVING, the HealthCheck
+#      unhealthy and /metrics exl3serve:rank_up{rank="1"} 0;
+#   3. the link comes back: the group re-forms (rank 1 reconnects), the
+#      request in flight is replayed and returns the ids, a new request too,
+#      and /metrics counted the restart and the replay.
 # Processes and namespaces are removed on every exit path. Skips (77) without
 # root or `ip netns`. $1: the exl3serve binary.
 set -uo pipefail
@@ -19,6 +24,8 @@ BIN=$(readlink -f "$1")
 if [ "$(id -u)" != 0 ] || ! command -v ip >/dev/null 2>&1; then
   echo "skip: needs root and iproute2 for network namespaces"; exit 77
 fi
+command -v openssl >/dev/null || { echo "skip: no openssl"; exit 77; }
+command -v curl >/dev/null || { echo "skip: no curl"; exit 77; }
 TAG="e3mb$$"
 NSC="${TAG}c" NSA="${TAG}a" NSB="${TAG}b" NSBR="${TAG}br"
 NET="10.$(( 200 + $$ % 50 )).$(( ($$ / 50) % 250 + 1 ))"
@@ -78,19 +85,54 @@ PROMPT=1,42,7,311,5
 WANT=$("$BIN" --log-level warning generate --model "$WORK/model" --prompt-ids $PROMPT --max-tokens 16 \
        --ignore-eos --ids) || fail "generate"
 
+# The rank channel's credentials: the coordinator's certificate names its box's address.
+(
+  cd "$WORK" || exit 1
+  ossl() { openssl "$@" >/dev/null 2>&1 || { echo "openssl $* failed"; exit 1; }; }
+  ossl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=cluster-ca \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
+  for spec in "endpoint:subjectAltName=IP:$ADDR_C
+extendedKeyUsage=serverAuth" "rank:extendedKeyUsage=clientAuth"; do
+    name=${spec%%:*}
+    ossl req -newkey rsa:2048 -nodes -keyout "$name.key" -out "$name.csr" -subj "/CN=$name"
+    printf '%s\n' "${spec#*:}" >"$name.ext"
+    ossl x509 -req -in "$name.csr" -CA ca.pem -CAkey ca.key -CAcreateserial -out "$name.pem" -days 2 \
+      -extfile "$name.ext"
+  done
+  echo "rank-token-$RANDOM$RANDOM" >rank-token
+) || fail "certificates"
+
+DEV_A="${TAG}v2"
 cat >"$WORK/cluster.yaml" <<YAML
 model_dir: $WORK/model
 world_size: 2
 listen_address: 0.0.0.0:50061
 api_address: 127.0.0.1:50051
 shutdown_grace_ms: 2000
-comm: {backend: ucx, bootstrap_address: "$ADDR_A:50071", ucx_tls: tcp}
+comm:
+  backend: ucx
+  bootstrap_address: "$ADDR_A:50071"
+  ucx: {tls: tcp}
+  nccl: {net: Socket, ib_gid_index: 3}
+tls:
+  rank_cert: $WORK/endpoint.pem
+  rank_key: $WORK/endpoint.key
+  rank_ca: $WORK/ca.pem
+  rank_client_cert: $WORK/rank.pem
+  rank_client_key: $WORK/rank.key
+rank_token_file: $WORK/rank-token
 kv: {num_pages: 256, page_size_tokens: 16}
 timeouts: {join_ms: 60000, heartbeat_interval_ms: 500, heartbeat_ms: $HEARTBEAT_MS, reform_ms: 60000, step_ms: 20000, collective_ms: 20000}
 boxes:
-  - {name: lead, address: $ADDR_C, coordinator: true}
-  - {name: a, address: $ADDR_A, ranks: [0]}
-  - {name: b, address: $ADDR_B, ranks: [1]}
+  - {name: lead, address: $ADDR_C, coordinator: true, metrics_port: 9400}
+  - {name: a, address: $ADDR_A, devices: [0, 1], nics: [$DEV_A], ranks: [0], rank_devices: [1]}
+  - name: b
+    address: $ADDR_B
+    devices: [0]
+    nics: [$DEV_B]
+    nccl: {ib_hca: "mlx5_0:1"}
+    ranks: [1]
+    rank_devices: [0]
 YAML
 export UCX_TLS=tcp
 for spec in "$NSC:lead" "$NSA:a" "$NSB:b"; do
@@ -101,6 +143,36 @@ for spec in "$NSC:lead" "$NSA:a" "$NSB:b"; do
 done
 C() { ip netns exec "$NSC" "$BIN" client --addr 127.0.0.1:50051 "$@"; }
 C --health --wait-ready-ms 120000 >/dev/null || fail "not ready in 120 s"
+
+# What launch handed each rank: the channel's credentials, the box's NICs and
+# NCCL settings as flags, the rank's GPU and the NICs as environment.
+rank_proc_check() {  # box rank device nic extra-flag-pattern
+  local pid
+  pid=$(sed -n "s/^launch: rank $2 started (pid \([0-9]*\)).*/\1/p" "$WORK/$1.log" | tail -1)
+  [ -n "$pid" ] || fail "no 'launch: rank $2 started' line in $1.log"
+  local cmd env
+  cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline") env=$(tr '\0' '\n' <"/proc/$pid/environ")
+  for want in "--tls-ca $WORK/ca.pem" "--tls-server-name $ADDR_C" "--tls-cert $WORK/rank.pem" \
+      "--tls-key $WORK/rank.key" "--rank-token-file $WORK/rank-token" "--nccl-net Socket" \
+      "--nccl-ib-gid-index 3" "--nccl-socket-ifname $4" "$5"; do
+    [[ "$cmd" == *"$want"* ]] || fail "rank $2's command line lacks '$want': $cmd"
+  done
+  grep -qx "CUDA_VISIBLE_DEVICES=$3" <<<"$env" || fail "rank $2: CUDA_VISIBLE_DEVICES is not $3"
+  grep -qx "UCX_NET_DEVICES=$4" <<<"$env" || fail "rank $2: UCX_NET_DEVICES is not $4"
+}
+rank_proc_check a 0 1 "$DEV_A" "--rank 0"
+rank_proc_check b 1 0 "$DEV_B" "--nccl-ib-hca mlx5_0:1"
+echo "launch passed each rank its credentials, NICs, NCCL settings and GPU"
+
+METRICS_URL="http://$ADDR_C:9400/metrics"
+metric() {  # name [label-pattern]: the value of the first matching series ("" when none)
+  ip netns exec "$NSC" curl -s --max-time 5 "$METRICS_URL" |
+    awk -v n="$1" -v l="${2:-}" 'index($1, n) == 1 && (l == "" || index($1, l)) && substr($1, length(n) + 1, 1) ~ /[{ ]|^$/ {print $2; exit}'
+}
+[ "$(metric 'exl3serve:rank_up' 'rank="1"')" = 1 ] || fail "rank_up{rank=1} is not 1 while ready"
+RESTARTS0=$(metric exl3serve:rank_restarts_total)
+REPLAYS0=$(metric exl3serve:request_replays_total)
+[ -n "$RESTARTS0" ] && [ -n "$REPLAYS0" ] || fail "no rank_restarts_total / request_replays_total at $METRICS_URL"
 
 GOT=$(C --prompt-ids $PROMPT --max-tokens 16 --ignore-eos --ids --timeout-ms 60000) || fail "client request"
 [ "$GOT" = "$WANT" ] || fail "ids differ: client '$GOT' vs generate '$WANT'"
@@ -119,9 +191,13 @@ sys.exit(0 if ok else 1)' "$1" "$2"
 }
 info_check 1 "" || { C --info; fail "GetServerInfo: not ready with every rank up"; }
 
-# --- link down on box B: detected within the heartbeat timeout (+ slack)
+# --- link down on box B while a request is in flight: detected within the
+# heartbeat timeout (+ slack); the request waits for the group and is replayed
 ip -n "$NSB" link set "$DEV_B" down
 T0=$(date +%s%N)
+C --prompt-ids $PROMPT --max-tokens 16 --ignore-eos --ids --timeout-ms 120000 \
+  >"$WORK/inflight.out" 2>"$WORK/inflight.err" &
+INFLIGHT=$!
 detected=""
 for _ in $(seq 300); do
   if info_check 0 1; then detected=1; break; fi
@@ -130,8 +206,15 @@ done
 DT_MS=$(( ($(date +%s%N) - T0) / 1000000 ))
 [ -n "$detected" ] || { C --info; fail "rank 1 not reported down 30 s after box B's link went down"; }
 (( DT_MS <= HEARTBEAT_MS + 3000 )) || fail "loss detected after $DT_MS ms (heartbeat timeout $HEARTBEAT_MS ms)"
-if C --health >/dev/null 2>&1; then fail "health SERVING with box B unreachable"; fi
-echo "box B down: not ready, rank 1 down after $DT_MS ms (heartbeat_ms $HEARTBEAT_MS)"
+if C --health >/dev/null 2>&1; then fail "HealthCheck healthy with box B unreachable"; fi
+# grpc.health.v1 (Watch): NOT_SERVING now, not SERVING from before the loss.
+if C --health --wait-ready-ms 500 >/dev/null 2>"$WORK/watch.err"; then
+  fail "grpc.health.v1 SERVING with box B unreachable"
+fi
+grep -q "last health: NOT_SERVING" "$WORK/watch.err" || { cat "$WORK/watch.err"; fail "grpc.health.v1 not NOT_SERVING"; }
+UP1=$(metric 'exl3serve:rank_up' 'rank="1"')
+[ "$UP1" = 0 ] || fail "/metrics rank_up{rank=\"1\"} is '$UP1' with box B unreachable, want 0"
+echo "box B down: not ready, rank 1 down after $DT_MS ms (heartbeat_ms $HEARTBEAT_MS); grpc.health.v1 NOT_SERVING; rank_up{rank=1} 0"
 
 # --- link up: the group re-forms, a new request succeeds
 ip -n "$NSB" link set "$DEV_B" up
@@ -145,7 +228,14 @@ info_check 1 "" || { C --info; fail "GetServerInfo after re-forming"; }
 GOT=$(C --prompt-ids $PROMPT --max-tokens 16 --ignore-eos --ids --timeout-ms 60000) || fail "request after re-forming"
 [ "$GOT" = "$WANT" ] || fail "ids after re-forming differ: '$GOT' vs '$WANT'"
 grep -q "^coordinator: ready (group generation [2-9]" "$WORK/lead.log" || fail "no re-formed group generation in the coordinator's log"
-echo "box B back: re-formed, $GOT"
+wait "$INFLIGHT" || { cat "$WORK/inflight.err"; fail "the request in flight during the outage failed"; }
+[ "$(cat "$WORK/inflight.out")" = "$WANT" ] || fail "the replayed request returned '$(cat "$WORK/inflight.out")', want '$WANT'"
+RESTARTS1=$(metric exl3serve:rank_restarts_total) REPLAYS1=$(metric exl3serve:request_replays_total)
+/usr/bin/python3 -c 'import sys; a = list(map(float, sys.argv[1:])); sys.exit(0 if a[1] > a[0] and a[3] > a[2] else 1)' \
+  "$RESTARTS0" "$RESTARTS1" "$REPLAYS0" "$REPLAYS1" ||
+  fail "/metrics after recovery: rank_restarts_total $RESTARTS0 -> $RESTARTS1, request_replays_total $REPLAYS0 -> $REPLAYS1 (both must grow)"
+[ "$(metric 'exl3serve:rank_up' 'rank="1"')" = 1 ] || fail "rank_up{rank=1} is not 1 after recovery"
+echo "box B back: re-formed, $GOT; the request in flight was replayed; restarts $RESTARTS0 -> $RESTARTS1, replays $REPLAYS0 -> $REPLAYS1"
 
 # --- a rank that exits unexpectedly is restarted by its box's launch
 P0=$(sed -n 's/^launch: rank 0 started (pid \([0-9]*\)).*/\1/p' "$WORK/a.log" | tail -1)

@@ -1,4 +1,5 @@
-// The GPU backends (worker/comm/nccl_communicator.h, cuda_p2p_communicator.h).
+// The GPU backends (worker/comm/nccl_communicator.h, cuda_p2p_communicator.h,
+// host_staged_communicator.h) and CreateGpuCommunicator (comm_factory.h).
 //
 // Without a GPU (CI) this checks what needs none: option validation, the
 // NCCL environment mapping, the cuda_p2p fallback decision on fake
@@ -17,7 +18,9 @@
 // pipe ("OK <hash>", "SKIP <why>", "FAIL <why>") and never use gtest macros.
 // Nothing sleeps: ranks synchronise through the collectives, the bootstrap
 // and process exit.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -43,7 +46,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "worker/comm/bootstrap.h"
+#include "worker/comm/comm_factory.h"
 #include "worker/comm/communicator.h"
+#include "worker/comm/host_staged_communicator.h"
 
 #if defined(EXL3_HAVE_CUDA)
 #include <cuda_runtime_api.h>
@@ -511,6 +516,74 @@ TEST(CudaP2pCreateTest, FailsOnEveryRankWithoutADevice) {
     }
   }
   EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "must fail promptly, not at init_timeout";
+}
+
+TEST(HostStagedOptionsTest, NamesTheFieldOfABadValue) {
+  EXPECT_TRUE(ValidateHostStagedOptions(HostStagedOptions{}).ok());
+  HostStagedOptions o;
+  o.device = -2;
+  EXPECT_THAT(std::string(ValidateHostStagedOptions(o).message()), HasSubstr("host_staged.device"));
+  o = HostStagedOptions{};
+  o.init_timeout = absl::ZeroDuration();
+  EXPECT_THAT(std::string(ValidateHostStagedOptions(o).message()),
+              HasSubstr("host_staged.init_timeout"));
+  for (const char* name : {"no-slash", "/a/b"}) {
+    o = HostStagedOptions{};
+    o.shm_name = name;
+    EXPECT_EQ(ValidateHostStagedOptions(o).code(), absl::StatusCode::kInvalidArgument) << name;
+  }
+}
+
+TEST(HostStagedCreateTest, FailsOnEveryRankWithoutADevice) {
+  if (DeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present; this checks the no-device path";
+  const absl::Time start = absl::Now();
+  for (int world : {1, 3}) {
+    const std::vector<absl::Status> results = RunThreads(world, [](int, Bootstrap& bootstrap) {
+      return CreateHostStagedCommunicator(HostStagedOptions{}, bootstrap).status();
+    });
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(results[r].code(), absl::StatusCode::kFailedPrecondition) << results[r];
+      EXPECT_THAT(std::string(results[r].message()), HasSubstr("no CUDA device"));
+    }
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "must fail promptly, not at init_timeout";
+}
+
+// A loopback port free at the time of the call (for a TcpBootstrap address).
+int FreeLoopbackPort() {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  int port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  if (fd >= 0) close(fd);
+  return port;
+}
+
+TEST(GpuCommFactoryTest, AutoFailsOnEveryRankWithoutADevice) {
+  if (DeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present; this checks the no-device path";
+  CommSpec spec;
+  spec.backend = "auto";
+  spec.bootstrap_address = absl::StrCat("127.0.0.1:", FreeLoopbackPort());
+  const absl::Time start = absl::Now();
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      results[r] = CreateGpuCommunicator(spec, r, 2, absl::Now() + absl::Seconds(20)).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].code(), absl::StatusCode::kFailedPrecondition) << results[r];
+    EXPECT_THAT(std::string(results[r].message()), HasSubstr("no CUDA device"));
+  }
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10)) << "must fail promptly, not at the deadline";
 }
 
 #if defined(EXL3_HAVE_NCCL)
@@ -1080,6 +1153,95 @@ TEST(CudaP2pGpuTest, AbortFailsThePeersCallPromptlyNamingTheRank) {
     }
     return c.failure.empty() ? "OK" : absl::StrCat("FAIL ", c.failure);
   }));
+}
+
+// host_staged: ranks on distinct GPUs where there are enough, else sharing
+// GPU 0 (host staging does not care); bit-exact rank-order sums (shm's).
+TEST(HostStagedGpuTest, EveryOperationMatchesTheRankOrderSumBitForBit) {
+  const int devices = DeviceCount();
+  if (devices < 1) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+  for (int world : {2, 3}) {
+    SCOPED_TRACE(absl::StrCat(world, " ranks"));
+    ExpectAllOkAndEqual(RunSuiteOnRanks(
+        world,
+        [&](int rank, Bootstrap& bootstrap) {
+          HostStagedOptions o;
+          o.device = rank % devices;
+          o.initial_staging_bytes = 4096;  // grows during the suite
+          return CreateHostStagedCommunicator(o, bootstrap);
+        },
+        /*exact=*/true));
+  }
+}
+
+TEST(HostStagedGpuTest, AMissingRankFailsThePeersByTheDeadlineThenAborted) {
+  const int devices = DeviceCount();
+  if (devices < 1) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+  ExpectAllOk(RunMissingRankScenario(
+      3,
+      [&](int rank, Bootstrap& bootstrap) {
+        HostStagedOptions o;
+        o.device = rank % devices;
+        return CreateHostStagedCommunicator(o, bootstrap);
+      },
+      absl::Seconds(2)));
+}
+
+TEST(HostStagedGpuTest, AbortFailsThePeersCallPromptly) {
+  const int devices = DeviceCount();
+  if (devices < 1) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+  ExpectAllOk(RunForkedRanks(2, [&](int rank, Bootstrap& bootstrap) -> std::string {
+    HostStagedOptions o;
+    o.device = rank % devices;
+    absl::StatusOr<std::unique_ptr<Communicator>> comm = CreateHostStagedCommunicator(o, bootstrap);
+    if (!comm.ok()) return absl::StrCat("FAIL create: ", comm.status().ToString());
+    Checker c;
+    if (rank == 0) (*comm)->Abort(absl::InternalError("test: a kernel failed"));
+    c.Check(bootstrap.AllGather("aborted", Deadline(kCallTimeout)).ok(), "bootstrap sync");
+    if (rank == 1) {
+      DeviceBuffer buffer(64 * sizeof(float));
+      const absl::Time start = absl::Now();
+      const absl::Status s =
+          (*comm)->AllReduce(buffer.get(), 64, CommDataType::kF32, Deadline(kCallTimeout));
+      c.Check(absl::IsAborted(s), absl::StrCat("peer's call: ", s.ToString()));
+      c.Check(absl::Now() - start < absl::Seconds(5), "peer's call was not prompt");
+    } else {
+      c.Check(absl::IsInternal((*comm)->health()), "health() lost the abort reason");
+    }
+    return c.failure.empty() ? "OK" : absl::StrCat("FAIL ", c.failure);
+  }));
+}
+
+// The factory end to end: the probe runs, the choice is the same on every
+// rank, and the chosen backend passes the suite. Two ranks on GPU 0 (one-GPU
+// machines) share it, so auto picks host_staged; with >= 2 GPUs it picks
+// cuda_p2p where they have peer access, else host_staged.
+TEST(GpuCommFactoryGpuTest, AutoChoosesAlikeOnEveryRankAndTheChoiceWorks) {
+  const int devices = DeviceCount();
+  if (devices < 1) GTEST_SKIP() << "no CUDA device (cudaGetDeviceCount reports none)";
+  const std::string address = absl::StrCat("127.0.0.1:", FreeLoopbackPort());
+  const uint32_t seed = TestSeed();
+  const std::vector<std::string> reports =
+      RunForkedRanks(2, [&](int rank, Bootstrap&) -> std::string {
+        CommSpec spec;
+        spec.backend = "auto";
+        spec.bootstrap_address = address;
+        spec.device = rank % devices;
+        std::string chosen;
+        absl::StatusOr<std::unique_ptr<Communicator>> comm =
+            CreateGpuCommunicator(spec, rank, 2, Deadline(absl::Seconds(60)), &chosen);
+        if (!comm.ok()) return absl::StrCat("FAIL create: ", comm.status().ToString());
+        const std::string backend = chosen.substr(0, chosen.find(':'));
+        if (backend != (*comm)->backend_name()) {
+          return absl::StrCat("FAIL chose ", chosen, " but created ", (*comm)->backend_name());
+        }
+        if (devices == 1 && backend != "host_staged") {
+          return absl::StrCat("FAIL two ranks on one GPU chose ", chosen);
+        }
+        const std::string suite = RunCollectiveSuite(**comm, seed, /*exact=*/true);
+        return absl::StrCat(suite, " ", backend);  // equal across ranks when OK
+      });
+  ExpectAllOkAndEqual(reports);
 }
 
 #if defined(EXL3_HAVE_NCCL)

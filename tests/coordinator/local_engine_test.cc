@@ -49,6 +49,12 @@ class GatedExecutor final : public worker::StepExecutor {
   int64_t vocab_size() const override { return inner_->vocab_size(); }
   absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
   absl::Status RemoveSequence(int64_t id) override { return inner_->RemoveSequence(id); }
+  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
+    return inner_->AssignPages(id, pages);
+  }
+  std::optional<worker::KvCacheOptions> kv_options() const override {
+    return inner_->kv_options();
+  }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {
     {
@@ -199,9 +205,12 @@ class LocalEngineTest : public ::testing::Test {
     options.max_queue = 1000;
     return options;
   }
-  // An engine over the shared in-process model, behind a gate.
+  // An engine over the shared in-process model, behind a gate. The cache
+  // takes pages only from the scheduler's block tables, as every rank does.
   std::unique_ptr<LocalEngine> Engine(const EngineOptions& options) {
-    auto cache = model->transformer->CreateKvCache(options.kv);
+    worker::KvCacheOptions kv = options.kv;
+    kv.caller_assigns_pages = true;
+    auto cache = model->transformer->CreateKvCache(kv);
     EXPECT_TRUE(cache.ok());
     auto gated = std::make_unique<GatedExecutor>(
         std::make_unique<worker::LocalStepExecutor>(model->transformer.get(), std::move(*cache)));
@@ -479,6 +488,7 @@ class DyingExecutor final : public worker::StepExecutor {
   int64_t vocab_size() const override { return 1000; }
   absl::Status AddSequence(int64_t) override { return Check(); }
   absl::Status RemoveSequence(int64_t) override { return Check(); }
+  absl::Status AssignPages(int64_t, std::span<const int32_t>) override { return Check(); }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows,
                        std::vector<float>* logits) override {
     if (left_-- <= 0) dead_ = true;
@@ -496,6 +506,112 @@ class DyingExecutor final : public worker::StepExecutor {
   int left_;
   bool dead_ = false;
 };
+
+// An in-process executor (caller-assigned cache) that audits, after every
+// forward, that the cache's page table of each sequence in the batch is
+// exactly the list of pages the engine assigned to it (from the scheduler's
+// block table), that no page is assigned to two live sequences, and that the
+// cache's free pages are the rest.
+class PageAuditExecutor final : public worker::StepExecutor {
+ public:
+  explicit PageAuditExecutor(const worker::KvCacheOptions& kv) : num_pages_(kv.num_pages) {
+    worker::KvCacheOptions assigned = kv;
+    assigned.caller_assigns_pages = true;
+    auto cache = model->transformer->CreateKvCache(assigned);
+    EXPECT_TRUE(cache.ok());
+    inner_ = std::make_unique<worker::LocalStepExecutor>(model->transformer.get(),
+                                                         std::move(*cache));
+  }
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  std::optional<worker::KvCacheOptions> kv_options() const override {
+    return inner_->kv_options();
+  }
+  absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
+  absl::Status RemoveSequence(int64_t id) override {
+    assigned_.erase(id);
+    return inner_->RemoveSequence(id);
+  }
+  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
+    std::vector<int64_t>& table = assigned_[id];
+    table.insert(table.end(), pages.begin(), pages.end());
+    pages_assigned_ += static_cast<int64_t>(pages.size());
+    return inner_->AssignPages(id, pages);
+  }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
+                       std::vector<float>* logits) override {
+    absl::Status s = inner_->Forward(batch, rows, logits);
+    if (!s.ok()) return s;
+    std::map<int64_t, int64_t> owner;
+    int64_t held = 0;
+    for (const auto& [id, table] : assigned_) {
+      held += static_cast<int64_t>(table.size());
+      for (int64_t page : table) {
+        if (!owner.emplace(page, id).second) ++mismatches_;  // a page on two sequences
+      }
+    }
+    for (const worker::SequenceTokens& entry : batch) {
+      if (inner_->cache().PageTable(entry.seq_id) != assigned_[entry.seq_id]) ++mismatches_;
+    }
+    if (inner_->cache().free_pages() != num_pages_ - held) ++mismatches_;
+    ++audited_forwards_;
+    return s;
+  }
+  int64_t mismatches() const { return mismatches_.load(); }
+  int64_t pages_assigned() const { return pages_assigned_.load(); }
+  int64_t audited_forwards() const { return audited_forwards_.load(); }
+
+ private:
+  const int64_t num_pages_;
+  std::unique_ptr<worker::LocalStepExecutor> inner_;
+  std::map<int64_t, std::vector<int64_t>> assigned_;  // scheduler thread only
+  std::atomic<int64_t> mismatches_{0}, pages_assigned_{0}, audited_forwards_{0};
+};
+
+TEST_F(LocalEngineTest, TheCacheHoldsExactlyTheBlocksTheSchedulerAssigned) {
+  EngineOptions options = Options(40, 4);  // small: preemption frees and reassigns blocks
+  EngineModel m;
+  m.config = model->transformer->config();
+  auto owned = std::make_unique<PageAuditExecutor>(options.kv);
+  PageAuditExecutor* audit = owned.get();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
+  constexpr int kRequests = 24;
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(Prompt(1 + (i * 11) % 37, 500 + i));
+    streams.push_back(std::make_unique<Stream>());
+    ASSERT_TRUE(engine->Submit(Request(prompts[i], 3 + i % 17), streams[i]->Callback()).ok());
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    v1::GenerateResponse r = streams[i]->Wait();
+    ASSERT_TRUE(r.has_complete()) << i << ": " << r.DebugString();
+    EXPECT_EQ(Ids(r.complete()), Alone(prompts[i], 3 + i % 17)) << "request " << i;
+  }
+  ASSERT_TRUE(engine->WaitForIdle(absl::Now() + kWait));
+  EXPECT_EQ(engine->GetServerInfo().kv_blocks_free(), 40u);
+  EXPECT_GT(engine->GetServerInfo().num_preemptions(), 0u);
+  EXPECT_GT(audit->audited_forwards(), 0);
+  EXPECT_GT(audit->pages_assigned(), 40);  // blocks were freed and assigned again
+  EXPECT_EQ(audit->mismatches(), 0);
+  engine->Shutdown();
+}
+
+TEST_F(LocalEngineTest, AnExecutorWithAnotherKvLayoutIsRefused) {
+  EngineOptions options = Options(64, 16);
+  worker::KvCacheOptions theirs = options.kv;
+  theirs.num_pages = 32;
+  EngineModel m;
+  m.config = model->transformer->config();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m),
+                                              std::make_unique<PageAuditExecutor>(theirs));
+  const absl::Status refused =
+      engine->Submit(Request({1, 2, 3}, 2), [](const v1::GenerateResponse&) {});
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_NE(refused.message().find("32 pages of 16"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("64 pages of 16"), std::string::npos) << refused;
+  EXPECT_FALSE(engine->ready());
+  engine->Shutdown();
+}
 
 TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
   EngineOptions options = Options(64, 16);
@@ -537,6 +653,9 @@ class ReformingExecutor final : public worker::StepExecutor {
   }
   absl::Status RemoveSequence(int64_t id) override {
     return dead_ ? Dead() : inner_->RemoveSequence(id);
+  }
+  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
+    return dead_ ? Dead() : inner_->AssignPages(id, pages);
   }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {

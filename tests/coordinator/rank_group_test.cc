@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "sharding/test_model.h"
@@ -152,10 +153,20 @@ std::vector<int32_t> Prompt(int n, int64_t vocab, uint32_t seed) {
   return ids;
 }
 
+// KV pages for n positions of the default 16-position pages, deliberately
+// out of order (the ranks place the sequence on exactly these).
+std::vector<int32_t> PagesFor(int n) {
+  std::vector<int32_t> pages;
+  for (int i = 0; i < (n + 15) / 16; ++i) pages.push_back(40 - 3 * i);
+  return pages;
+}
+
 // Logits of every prompt position in sequence `seq`.
 absl::StatusOr<std::vector<float>> PrefillLogits(worker::StepExecutor& executor, int64_t seq,
                                                  const std::vector<int32_t>& prompt) {
   absl::Status added = executor.AddSequence(seq);
+  if (!added.ok()) return added;
+  added = executor.AssignPages(seq, PagesFor(static_cast<int>(prompt.size())));
   if (!added.ok()) return added;
   const SequenceTokens entry{seq, prompt};
   std::vector<float> logits;
@@ -296,12 +307,100 @@ TEST_F(RankGroupTest, GroupReformsAfterARankRestarts) {
   const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
   ASSERT_TRUE(ready.ok()) << ready;
   EXPECT_GT((*group)->generation(), first);
+  // The caller still holds sequence 5 of the old generation: the next step
+  // asks for a replay (Aborted) until the caller Recovers.
+  const absl::Status stale = (*group)->RemoveSequence(5);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kAborted) << stale;
+  ASSERT_TRUE((*group)->Recover(absl::Now() + kReadyTimeout).ok());
   // The new group has empty caches: sequence 5 is gone, and it computes the
   // same logits as the first group.
   EXPECT_EQ((*group)->RemoveSequence(5).code(), absl::StatusCode::kNotFound);
   absl::StatusOr<std::vector<float>> after = PrefillLogits(**group, 4, prompt);
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(*after, *before);
+}
+
+// The race of issue 6: the group re-forms between two steps (no step saw it
+// break), so the caller's sequences are gone. The next step must ask for a
+// replay (Aborted, which the engine treats as a broken group), not fail with
+// the ranks' NOT_FOUND / FAILED_PRECONDITION (which the engine would turn
+// into INTERNAL for every request).
+TEST_F(RankGroupTest, AStepAfterAnUnseenReformationAsksForAReplay) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  auto r0 = std::make_unique<RankProcess>(Address(**group), 0,
+                                          std::vector<std::string>{"--reconnect"});
+  auto r1 = std::make_unique<RankProcess>(Address(**group), 1,
+                                          std::vector<std::string>{"--reconnect"});
+  ASSERT_TRUE((*group)->WaitReady(absl::Now() + kReadyTimeout).ok());
+  const uint64_t first = (*group)->generation();
+  const std::vector<int32_t> prompt = Prompt(21, 1000, 13);
+  absl::StatusOr<std::vector<float>> before = PrefillLogits(**group, 6, prompt);
+  ASSERT_TRUE(before.ok()) << before.status();
+  ASSERT_TRUE((*group)->AddSequence(7).ok());
+  ASSERT_TRUE((*group)->AssignPages(7, PagesFor(static_cast<int>(prompt.size()))).ok());
+
+  // Kill and restart rank 1 with no step in flight; wait (bounded) until the
+  // group has re-formed under a new generation.
+  r1->Kill();
+  int s1 = 0;
+  ASSERT_TRUE(r1->WaitExit(kExitTimeout, &s1));
+  r1 = std::make_unique<RankProcess>(Address(**group), 1, std::vector<std::string>{"--reconnect"});
+  const absl::Time deadline = absl::Now() + kReadyTimeout;
+  while ((*group)->generation() == first && absl::Now() < deadline) {
+    (void)(*group)->WaitReady(absl::Now() + absl::Milliseconds(50));  // a bounded timed wait
+  }
+  ASSERT_GT((*group)->generation(), first);
+  ASSERT_TRUE((*group)->WaitReady(absl::Now() + kReadyTimeout).ok());
+
+  const SequenceTokens entry{7, prompt};
+  std::vector<float> logits;
+  const absl::Status stale = (*group)->Forward({&entry, 1}, LogitsRows::kAllTokens, &logits);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kAborted) << stale;
+  EXPECT_NE(stale.message().find("replay"), std::string::npos) << stale;
+
+  // Recover (what the engine does for a broken group), then replay: the same
+  // logits as before the re-formation, on the same pages.
+  ASSERT_TRUE((*group)->Recover(absl::Now() + kReadyTimeout).ok());
+  absl::StatusOr<std::vector<float>> replayed = PrefillLogits(**group, 7, prompt);
+  ASSERT_TRUE(replayed.ok()) << replayed.status();
+  EXPECT_EQ(*replayed, *before);
+}
+
+// A forward beyond a sequence's assigned pages fails on the ranks (they never
+// take a page themselves); bad page ids are refused naming the page.
+TEST_F(RankGroupTest, RanksUseOnlyTheBlocksTheCoordinatorAssigned) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {});
+  RankProcess r1(Address(**group), 1, {});
+  ASSERT_TRUE((*group)->WaitReady(absl::Now() + kReadyTimeout).ok());
+  ASSERT_TRUE((*group)->kv_options().has_value());
+  EXPECT_TRUE((*group)->kv_options()->caller_assigns_pages);
+  const std::vector<int32_t> prompt = Prompt(20, 1000, 3);  // 2 pages of 16
+  const SequenceTokens entry{8, prompt};
+  std::vector<float> logits;
+  ASSERT_TRUE((*group)->AddSequence(8).ok());
+  ASSERT_TRUE((*group)->AssignPages(8, std::vector<int32_t>{9}).ok());  // one page short
+  absl::Status s = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("coordinator"), std::string::npos) << s;
+  ASSERT_TRUE((*group)->AssignPages(8, std::vector<int32_t>{64}).ok());  // staged, sent next
+  s = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("page 64"), std::string::npos) << s;
+  ASSERT_TRUE((*group)->AddSequence(9).ok());
+  ASSERT_TRUE((*group)->AssignPages(9, std::vector<int32_t>{9}).ok());  // sequence 8's page
+  const SequenceTokens other{9, {prompt.data(), 3}};
+  s = (*group)->Forward({&other, 1}, LogitsRows::kLastToken, &logits);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("page 9 is already used by sequence 8"), std::string::npos) << s;
+  // With its second page sequence 8 runs; the group stayed up throughout.
+  ASSERT_TRUE((*group)->AssignPages(8, std::vector<int32_t>{2}).ok());
+  s = (*group)->Forward({&entry, 1}, LogitsRows::kLastToken, &logits);
+  EXPECT_TRUE(s.ok()) << s;
+  EXPECT_EQ(logits.size(), 1000u);
+  EXPECT_TRUE((*group)->ready());
 }
 
 TEST_F(RankGroupTest, ProtocolVersionMismatchIsRefused) {
@@ -339,6 +438,145 @@ TEST_F(RankGroupTest, MissingRankLeavesTheGroupNotReadyWithoutHanging) {
   group->reset();
   int s0 = 0;
   EXPECT_TRUE(r0.WaitExit(kExitTimeout, &s0));
+}
+
+TEST(RankListenPolicyTest, NonLoopbackNeedsTlsAndARankCheck) {
+  RankEndpointSecurity none;
+  EXPECT_TRUE(CheckRankListenPolicy("127.0.0.1:50061", none, "h").ok());
+  EXPECT_TRUE(CheckRankListenPolicy("[::1]:0", none, "h").ok());
+  EXPECT_TRUE(CheckRankListenPolicy("localhost:1", none, "h").ok());
+  for (const char* open : {"0.0.0.0:50061", "[::]:50061", "10.1.2.3:7"}) {
+    const absl::Status s = CheckRankListenPolicy(open, none, "HINT");
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << open;
+    EXPECT_NE(s.message().find("HINT"), std::string::npos) << s;
+  }
+  RankEndpointSecurity token_only;  // a token over plaintext is not enough
+  token_only.token_file = "t";
+  EXPECT_FALSE(CheckRankListenPolicy("0.0.0.0:1", token_only, "h").ok());
+  RankEndpointSecurity tls_only;  // TLS without a rank check is not either
+  tls_only.cert_file = "c";
+  tls_only.key_file = "k";
+  EXPECT_FALSE(CheckRankListenPolicy("0.0.0.0:1", tls_only, "h").ok());
+  RankEndpointSecurity tls_token = tls_only;
+  tls_token.token_file = "t";
+  EXPECT_TRUE(CheckRankListenPolicy("0.0.0.0:1", tls_token, "h").ok());
+  RankEndpointSecurity mtls = tls_only;
+  mtls.client_ca_file = "ca";
+  EXPECT_TRUE(CheckRankListenPolicy("0.0.0.0:1", mtls, "h").ok());
+  RankEndpointSecurity opt_out;
+  opt_out.insecure_listen_any = true;
+  EXPECT_TRUE(CheckRankListenPolicy("0.0.0.0:1", opt_out, "h").ok());
+  // Start applies it too, before binding anything.
+  RankGroupOptions options;
+  options.listen_address = "0.0.0.0:0";
+  options.model_dir = "/nonexistent";
+  EXPECT_EQ(RemoteRankGroup::Start(options).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST_F(RankGroupTest, RankTokenIsRequiredAndStateChangesAreReported) {
+  testing::ScratchDir dir;
+  const std::string token_file = dir.path() + "/token";
+  const std::string wrong_file = dir.path() + "/wrong";
+  FILE* f = std::fopen(token_file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("  s3cret-rank-token\n", f);  // surrounding whitespace is trimmed
+  std::fclose(f);
+  f = std::fopen(wrong_file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs("s3cret-rank-tokeN", f);
+  std::fclose(f);
+  RankGroupOptions options = Options(1);
+  options.security.token_file = token_file;
+  // The hook runs just after the lock that changed the state is released,
+  // so a waiter may see the state first: count under a mutex and await it.
+  struct Changes {
+    absl::Mutex mu;
+    int count ABSL_GUARDED_BY(mu) = 0;
+    int load() {
+      absl::MutexLock lock(&mu);
+      return count;
+    }
+  };
+  auto changes = std::make_shared<Changes>();
+  options.on_change = [changes] {
+    absl::MutexLock lock(&changes->mu);
+    ++changes->count;
+  };
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  // No token, a wrong token: refused (exit 1, no retry even with --reconnect);
+  // nothing registered, no state change.
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--reconnect"},
+        std::vector<std::string>{"--reconnect", "--rank-token-file", wrong_file}}) {
+    RankProcess refused(Address(**group), 0, extra);
+    int status = 0;
+    ASSERT_TRUE(refused.WaitExit(kExitTimeout, &status));
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+    EXPECT_FALSE((*group)->ready());
+    EXPECT_FALSE((*group)->status().ranks[0].up);
+    EXPECT_EQ(changes->load(), 0);
+  }
+  // The right token: loading, then ready, each reported through on_change.
+  RankProcess rank(Address(**group), 0, {"--rank-token-file", token_file});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  {  // forming -> loading -> ready: two changes reported
+    absl::MutexLock lock(&changes->mu);
+    auto two = [&changes]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(changes->mu) { return changes->count >= 2; };
+    EXPECT_TRUE(changes->mu.AwaitWithTimeout(absl::Condition(&two), absl::Seconds(10)))
+        << changes->count;
+  }
+  const int before_shutdown = changes->load();
+  (*group)->Shutdown("test over");
+  EXPECT_GT(changes->load(), before_shutdown);  // -> stopped, reported before Shutdown returns
+  int status = 0;
+  EXPECT_TRUE(rank.WaitExit(kExitTimeout, &status));
+}
+
+// Uneven capacities (issue 5) through Setup.capacities: 3 ranks at 1, 1, 0.5
+// plan the same uneven shards and their logits match one process; bad
+// capacities are refused at Start.
+TEST_F(RankGroupTest, UnevenCapacitiesReachEveryRankThroughSetup) {
+  RankGroupOptions options = Options(3);
+  options.capacities = {1.0, 1.0, 0.5};
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {});
+  RankProcess r1(Address(**group), 1, {});
+  RankProcess r2(Address(**group), 2, {});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  const std::vector<int32_t> prompt = Prompt(19, 1000, 9);
+  const std::vector<float> reference = LocalLogits(prompt);
+  absl::StatusOr<std::vector<float>> remote = PrefillLogits(**group, 4, prompt);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_EQ(remote->size(), reference.size());
+  const double error = RelativeError(*remote, reference);
+  EXPECT_LE(error, 1e-4);
+  std::printf("3 remote ranks at capacities 1,1,0.5 vs one process: relative error %.3g\n",
+              error);
+  // The half-capacity rank planned, and read, less than either full one.
+  const RankGroupStatus status = (*group)->status();
+  ASSERT_EQ(status.ranks.size(), 3u);
+  for (const RankSlotInfo& info : status.ranks) {
+    std::printf("  rank %d read %llu checkpoint bytes\n", info.rank,
+                static_cast<unsigned long long>(info.bytes_read));
+    EXPECT_GT(info.bytes_read, 0u);
+  }
+  EXPECT_LT(status.ranks[2].bytes_read, status.ranks[0].bytes_read);
+  EXPECT_LT(status.ranks[2].bytes_read, status.ranks[1].bytes_read);
+  (*group)->Shutdown("test over");
+
+  for (const std::vector<double>& bad :
+       std::vector<std::vector<double>>{{1.0, 1.0}, {1.0, 0.0, 1.0}}) {
+    RankGroupOptions refused = Options(3);
+    refused.capacities = bad;
+    absl::StatusOr<std::unique_ptr<RemoteRankGroup>> none = RemoteRankGroup::Start(refused);
+    EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
+    EXPECT_NE(none.status().message().find("capacities"), std::string::npos) << none.status();
+  }
 }
 
 }  // namespace

@@ -28,8 +28,11 @@ std::vector<int32_t> Tokens(int n, int32_t first = 1) {
 }
 
 // Drives a Scheduler and a PagedKvCache of the same geometry with every step
-// (RemoveSequence / AddSequence / Reserve as the ranks' Forward does), and
-// checks invariants I1-I4 after each.
+// as a rank does (RemoveSequence / AddSequence / AssignPages of each entry's
+// new blocks, then Reserve as the Forward does, which in the rank's
+// caller_assigns_pages mode never takes a page), and checks invariants I1-I4
+// after each — I2 as: the cache's page table of every sequence in the batch
+// is exactly the scheduler's block table.
 class Harness {
  public:
   explicit Harness(const SchedulerOptions& options) : scheduler_(options), options_(options) {
@@ -37,6 +40,7 @@ class Harness {
     kv.page_size_tokens = static_cast<int>(options.page_size_tokens);
     kv.num_pages = options.num_blocks;
     kv.dtype = worker::KvCacheDtype::kFp32;
+    kv.caller_assigns_pages = true;
     auto cache = worker::PagedKvCache::Create({1, 1, 2}, kv);
     EXPECT_TRUE(cache.ok()) << cache.status();
     cache_.emplace(std::move(*cache));
@@ -54,11 +58,17 @@ class Harness {
       EXPECT_FALSE(c.tokens.empty());
       EXPECT_EQ(++seen[c.seq_id], 1) << "sequence " << c.seq_id << " twice in a batch";
       total += static_cast<int64_t>(c.tokens.size());
-      // I2: the ranks' Forward reserves length + new tokens; it must succeed.
+      // I2: the rank takes the assigned pages, then its Forward reserves
+      // length + new tokens from them; both must succeed.
       EXPECT_EQ(cache_->Length(c.seq_id), c.start);
+      absl::Status assigned = cache_->AssignPages(c.seq_id, c.new_blocks);
+      EXPECT_TRUE(assigned.ok()) << assigned;
       absl::Status reserved =
           cache_->Reserve(c.seq_id, c.start + static_cast<int64_t>(c.tokens.size()));
       EXPECT_TRUE(reserved.ok()) << reserved;
+      const std::span<const int32_t> table = scheduler_.block_table(c.seq_id);
+      EXPECT_EQ(cache_->PageTable(c.seq_id), std::vector<int64_t>(table.begin(), table.end()))
+          << "sequence " << c.seq_id;
       cache_->SetLength(c.seq_id, c.start + static_cast<int64_t>(c.tokens.size()));
       // I4
       std::span<const int32_t> all = scheduler_.tokens(c.seq_id);

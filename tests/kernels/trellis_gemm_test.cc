@@ -33,6 +33,11 @@ constexpr double kFloatTol = 3e-5;
 // without its fp16 rounding; RMS over all outputs relative to the RMS of the
 // normalisation above (0.8-0.9 % of the output RMS on 4096-wide Gaussian x).
 constexpr double kInt8RmsTol = 2.5e-2;
+// kBf16 vs float64 and vs kFloat: both factors rounded to bf16 (relative
+// error <= 2^-9 each); RMS relative to the same normalisation (measured
+// 0.24 % mul1, 0.29-0.30 % 3inst/mcg, K=2..4, k = 1024) and worst output.
+constexpr double kBf16RmsTol = 4e-3;
+constexpr double kBf16WorstTol = 2e-2;
 
 uint32_t TestSeed() {
   const int seed = ::testing::UnitTest::GetInstance()->random_seed();
@@ -207,7 +212,8 @@ TEST(TrellisGemmTest, ResultsAreBitIdenticalForAnyThreadCount) {
     if (!cpu::CpuSupportsIsa(v.isa)) continue;
     for (int64_t m : {1, 5, 17, 130}) {
       const std::vector<float> x = RandomInput(rng, m, view.k);
-      for (TrellisGemmPrecision p : {TrellisGemmPrecision::kFloat, TrellisGemmPrecision::kInt8}) {
+      for (TrellisGemmPrecision p : {TrellisGemmPrecision::kFloat, TrellisGemmPrecision::kInt8,
+                                     TrellisGemmPrecision::kBf16}) {
         TrellisGemmOptions one;
         one.max_threads = 1;
         one.precision = p;
@@ -283,6 +289,143 @@ TEST(TrellisGemmTest, Avx512FallbackGemvWithoutVbmi2MatchesScalar) {
     }
   }
   cpu::avx512icl::SetEnabledForTest(true);
+}
+
+// RMS over all outputs of (got - want), relative to the RMS normaliser.
+double RelativeRms(const Exl3LinearView& view, const std::vector<float>& x, int64_t m,
+                   const std::vector<float>& got, const std::vector<float>& want) {
+  double err2 = 0, norm2 = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t c = 0; c < view.n; ++c) {
+      const double e = double(got[i * view.n + c]) - want[i * view.n + c];
+      err2 += std::isfinite(e) ? e * e : 1e30;
+      const double nn = Norm(view, x, i, c);
+      norm2 += nn * nn;
+    }
+  }
+  return std::sqrt(err2 / norm2);
+}
+
+// kBf16 cases: odd m (row groups of 6 and AMX blocks of 32 with remainders).
+struct Bf16Case {
+  Codebook cb;
+  int bits;
+  int64_t k, n, m;
+};
+constexpr Bf16Case kBf16Cases[] = {
+    {Codebook::kMul1, 2, 256, 384, 17},  {Codebook::kMul1, 4, 640, 256, 129},
+    {Codebook::kMul1, 3, 128, 128, 513}, {Codebook::k3Inst, 2, 256, 128, 5},
+    {Codebook::kMcg, 5, 128, 256, 33},   {Codebook::kMul1, 8, 256, 128, 1},
+    {Codebook::kMul1, 1, 256, 256, 7}};
+
+// kBf16: the scalar reference emulates vdpbf16ps; every variant (AVX-512 with
+// the BF16 instruction, AVX-512 with its FMA emulation, AVX2) must match it
+// bit for bit, for odd m, any thread count. (AMX is off here: next test.)
+TEST(TrellisGemmTest, Bf16IsBitIdenticalToScalarAcrossVariantsAndThreads) {
+  std::mt19937 rng(TestSeed());
+  cpu::avx512bf16::SetAmxEnabledForTest(false);
+  for (const Bf16Case& cs : kBf16Cases) {
+    const Exl3LinearData d = RandomLinear(rng, cs.k, cs.n, cs.bits, cs.cb, cs.bits % 2 == 0);
+    const Exl3LinearView view = d.view();
+    const std::vector<float> x = RandomInput(rng, cs.m, cs.k);
+    const std::string what = std::string(CodebookName(cs.cb)) + " K=" + std::to_string(cs.bits) +
+                             " m=" + std::to_string(cs.m);
+    TrellisGemmOptions bf16;
+    bf16.precision = TrellisGemmPrecision::kBf16;
+    const std::vector<float> want = RunGemm(&cpu::scalar::TrellisGemm, view, x, cs.m, bf16);
+    for (float v : want) ASSERT_TRUE(std::isfinite(v)) << what;
+    ExpectClose(view, x, cs.m, want, DenseFloat64(view, x, cs.m), kBf16WorstTol, what + " vs float64");
+    for (const Variant& v : kVariants) {
+      if (v.isa == cpu::CpuIsa::kScalar || !cpu::CpuSupportsIsa(v.isa)) continue;
+      for (bool native : {true, false}) {
+        if (native && v.isa == cpu::CpuIsa::kAvx512 && !cpu::avx512bf16::Supported()) {
+          std::printf("[  SKIPPED ] %s vdpbf16ps: this CPU lacks AVX512-BF16\n", v.name);
+          continue;
+        }
+        cpu::avx512bf16::SetEnabledForTest(native);
+        for (int threads : {1, 2, 0}) {
+          TrellisGemmOptions o = bf16;
+          o.max_threads = threads;
+          const std::vector<float> got = RunGemm(v.fn, view, x, cs.m, o);
+          EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)))
+              << v.name << (native ? " native " : " emulated ") << what << " threads " << threads;
+        }
+      }
+      cpu::avx512bf16::SetEnabledForTest(true);
+    }
+  }
+  cpu::avx512bf16::SetAmxEnabledForTest(true);
+}
+
+// The AMX-BF16 kernel: same bf16 inputs, the hardware's own fp32 summation
+// order, so within fp32 accumulation error of the scalar kBf16 reference, and
+// bit-identical for any thread count.
+TEST(TrellisGemmTest, Bf16AmxMatchesScalarWithinFp32ErrorAndIsThreadInvariant) {
+  if (!cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx512) || !cpu::avx512bf16::AmxSupported()) {
+    GTEST_SKIP() << "no AMX-BF16 (CPU, OS tile state or the kernel's XTILEDATA permission)";
+  }
+  std::mt19937 rng(TestSeed());
+  for (const Bf16Case& cs : kBf16Cases) {
+    const Exl3LinearData d = RandomLinear(rng, cs.k, cs.n, cs.bits, cs.cb, true);
+    const Exl3LinearView view = d.view();
+    const std::vector<float> x = RandomInput(rng, cs.m, cs.k);
+    const std::string what = std::string(CodebookName(cs.cb)) + " K=" + std::to_string(cs.bits) +
+                             " m=" + std::to_string(cs.m);
+    TrellisGemmOptions bf16;
+    bf16.precision = TrellisGemmPrecision::kBf16;
+    const std::vector<float> want = RunGemm(&cpu::scalar::TrellisGemm, view, x, cs.m, bf16);
+    bf16.max_threads = 1;
+    const std::vector<float> one = RunGemm(&cpu::avx512::TrellisGemm, view, x, cs.m, bf16);
+    ExpectClose(view, x, cs.m, one, want, kFloatTol, what + " AMX vs scalar kBf16");
+    for (int threads : {2, 0}) {
+      bf16.max_threads = threads;
+      const std::vector<float> got = RunGemm(&cpu::avx512::TrellisGemm, view, x, cs.m, bf16);
+      EXPECT_EQ(0, std::memcmp(got.data(), one.data(), got.size() * sizeof(float)))
+          << what << " threads " << threads;
+    }
+  }
+}
+
+// kBf16 error against float64 and the fp32 path on Gaussian inputs, K = 2..4;
+// prints the measured RMS (the figure quoted in trellis_gemm.h).
+TEST(TrellisGemmTest, Bf16ErrorIsBounded) {
+  std::mt19937 rng(TestSeed());
+  for (Codebook cb : kCodebooks) {
+    for (int bits : {2, 3, 4}) {
+      const Exl3LinearData d = RandomLinear(rng, 1024, 256, bits, cb, false);
+      const Exl3LinearView view = d.view();
+      const int64_t m = 19;
+      const std::vector<float> x = RandomInput(rng, m, view.k);
+      TrellisGemmOptions bf16;
+      bf16.precision = TrellisGemmPrecision::kBf16;
+      const std::vector<float> got = RunGemm(&TrellisGemm, view, x, m, bf16);
+      const std::vector<float> fp32 = RunGemm(&TrellisGemm, view, x, m);
+      const std::vector<float> exact = DenseFloat64(view, x, m);
+      const double vs_fp32 = RelativeRms(view, x, m, got, fp32);
+      const double vs_exact = RelativeRms(view, x, m, got, exact);
+      std::printf("kBf16 %s K=%d: RMS error %.3g %% vs fp32, %.3g %% vs float64 (fp32: %.3g %%)\n",
+                  CodebookName(cb), bits, 100 * vs_fp32, 100 * vs_exact,
+                  100 * RelativeRms(view, x, m, fp32, exact));
+      EXPECT_LE(vs_exact, kBf16RmsTol) << CodebookName(cb) << " K=" << bits;
+      EXPECT_LE(vs_fp32, kBf16RmsTol) << CodebookName(cb) << " K=" << bits;
+      ExpectClose(view, x, m, got, exact, kBf16WorstTol,
+                  std::string(CodebookName(cb)) + " K=" + std::to_string(bits) + " worst");
+    }
+  }
+}
+
+// The packing rounding: RNE, ties to even, bf16 subnormals flushed, NaN kept.
+TEST(TrellisGemmTest, FloatToBf16RoundsToNearestEven) {
+  using cpu::internal::FloatToBf16;
+  EXPECT_EQ(FloatToBf16(1.0f), 0x3F80);
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f), 0x3F80);              // tie -> even
+  EXPECT_EQ(FloatToBf16(1.0f + 3 * 0x1p-8f), 0x3F82);          // tie -> even (up)
+  EXPECT_EQ(FloatToBf16(1.0f + 0x1p-8f + 0x1p-20f), 0x3F81);   // above the tie
+  EXPECT_EQ(FloatToBf16(-2.0f), 0xC000);
+  EXPECT_EQ(FloatToBf16(0x1p-127f), 0x0000);                   // subnormal -> +0
+  EXPECT_EQ(FloatToBf16(-0x1p-127f), 0x8000);                  // -> -0
+  EXPECT_EQ(FloatToBf16(3.4e38f), 0x7F80);                     // rounds to inf
+  EXPECT_EQ(FloatToBf16(std::numeric_limits<float>::quiet_NaN()) & 0x7FC0, 0x7FC0);
 }
 
 // The SIMD mul1 weight formula (Veltkamp RNE in fp32, no fp16 conversion)

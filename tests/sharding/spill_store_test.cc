@@ -252,7 +252,7 @@ INSTANTIATE_TEST_SUITE_P(AllDTypes, SpillStoreDTypeTest,
 TEST(SpillStoreTest, FlippedByteInCheckpointIsDataLossNamingTheBlock) {
   testing::ScratchDir dir;
   const std::string path = dir.File("model.safetensors");
-  const int64_t rows = 1024, width = 64;  // F32: 256 KiB = 4 blocks of 64 KiB
+  const int64_t rows = 1024, width = 64;  // F32: 256 KiB = 16 blocks of 16 KiB (the default)
   WriteTable(path, DType::kF32, rows, width);
   auto file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok());
@@ -263,19 +263,19 @@ TEST(SpillStoreTest, FlippedByteInCheckpointIsDataLossNamingTheBlock) {
   options.cache_dir = dir.File("cache");
   auto store = SpillStore::Open(**file, kTable, options);
   ASSERT_TRUE(store.ok()) << store.status();
-  ASSERT_EQ((*store)->block_bytes(), 64u << 10);
+  ASSERT_EQ((*store)->block_bytes(), 16u << 10);
 
-  // Row 600 lives in block 2 (bytes 153600.. of the table).
+  // Row 600 lives in block 9 (bytes 153600.. of the table; 9 * 16384 = 147456).
   FlipByte(path, table_offset + 600 * width * 4 + 5);
   std::vector<float> out(width);
   const int64_t bad = 600;
   const absl::Status status = (*store)->Lookup({&bad, 1}, out.data());
   EXPECT_EQ(status.code(), absl::StatusCode::kDataLoss) << status;
-  EXPECT_THAT(status.message(), HasSubstr("block 2"));
+  EXPECT_THAT(status.message(), HasSubstr("block 9"));
   EXPECT_THAT(status.message(), HasSubstr(path));
   EXPECT_THAT(status.message(), HasSubstr(kTable));
   EXPECT_THAT(status.message(),
-              HasSubstr(absl::StrCat("[", table_offset + 2 * 65536, ", ", table_offset + 3 * 65536, ")")));
+              HasSubstr(absl::StrCat("[", table_offset + 9 * 16384, ", ", table_offset + 10 * 16384, ")")));
   // Rows of the other blocks are still served, exactly.
   std::vector<int64_t> good = {0, 100, 1000};
   std::vector<float> rows_out(good.size() * width);
@@ -334,7 +334,7 @@ TEST(SpillStoreTest, ExtractionIsReusedAndRedoneWhenCorrupted) {
     const int64_t id = 777;
     const absl::Status s = (*third)->Lookup({&id, 1}, out.data());
     EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
-    EXPECT_THAT(s.message(), HasSubstr("block 2"));  // 777*192 bytes = block 2 of 64 KiB
+    EXPECT_THAT(s.message(), HasSubstr("block 9"));  // 777*192 = 149184 bytes: block 9 of 16 KiB
     EXPECT_THAT(s.message(), HasSubstr(rows_path));
   }
   {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -118,6 +119,114 @@ TEST(PagedKvCacheTest, PositionsReadBackTheSameWhetherWrittenInChunksOrAlone) {
   std::vector<float> mid(5 * kEntry), midv(5 * kEntry);
   cache.Read(1, 1, 3, 8, mid.data(), midv.data());
   EXPECT_TRUE(std::equal(mid.begin(), mid.end(), a.begin() + 3 * kEntry));
+}
+
+PagedKvCache MakeAssigned(int64_t pages, int page_size) {
+  KvCacheOptions options;
+  options.dtype = KvCacheDtype::kFp32;
+  options.num_pages = pages;
+  options.page_size_tokens = page_size;
+  options.caller_assigns_pages = true;
+  auto cache = PagedKvCache::Create(kShape, options);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  return *std::move(cache);
+}
+
+std::vector<int64_t> Table(std::initializer_list<int64_t> pages) { return pages; }
+
+TEST(PagedKvCacheTest, AssignPagesRejectsBadPagesNamingThemAndTakesNothing) {
+  PagedKvCache cache = MakeAssigned(7, 3);
+  ASSERT_TRUE(cache.AddSequence(10).ok());
+  ASSERT_TRUE(cache.AddSequence(11).ok());
+  const std::vector<int32_t> first = {4, 1};
+  ASSERT_TRUE(cache.AssignPages(10, first).ok());
+  EXPECT_EQ(cache.free_pages(), 5);
+
+  auto expect = [&](std::vector<int32_t> pages, absl::StatusCode code, const std::string& words) {
+    const absl::Status s = cache.AssignPages(11, pages);
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_NE(s.message().find(words), std::string::npos) << s;
+    EXPECT_EQ(cache.free_pages(), 5) << s;  // all or nothing
+    EXPECT_TRUE(cache.PageTable(11).empty()) << s;
+  };
+  expect({0, 7}, absl::StatusCode::kInvalidArgument, "page 7 is outside [0, 7)");
+  expect({-1}, absl::StatusCode::kInvalidArgument, "page -1 is outside");
+  expect({2, 1}, absl::StatusCode::kFailedPrecondition, "page 1 is already used by sequence 10");
+  expect({5, 3, 5}, absl::StatusCode::kInvalidArgument, "page 5 is assigned twice");
+  expect({4}, absl::StatusCode::kFailedPrecondition, "sequence 10");
+  EXPECT_EQ(cache.AssignPages(12, first).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(cache.PageTable(10), Table({4, 1}));
+  // An empty call is a no-op.
+  EXPECT_TRUE(cache.AssignPages(11, {}).ok());
+}
+
+TEST(PagedKvCacheTest, ACallerAssignedCacheNeverTakesAPageOnItsOwn) {
+  PagedKvCache cache = MakeAssigned(5, 4);
+  ASSERT_TRUE(cache.AddSequence(1).ok());
+  const absl::Status short_of_pages = cache.Reserve(1, 1);
+  EXPECT_EQ(short_of_pages.code(), absl::StatusCode::kFailedPrecondition) << short_of_pages;
+  EXPECT_NE(short_of_pages.message().find("coordinator"), std::string::npos) << short_of_pages;
+  EXPECT_EQ(cache.free_pages(), 5);
+  const std::vector<int32_t> pages = {3, 0};
+  ASSERT_TRUE(cache.AssignPages(1, pages).ok());
+  EXPECT_TRUE(cache.Reserve(1, 8).ok());  // covered by the two pages
+  EXPECT_EQ(cache.Reserve(1, 9).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.free_pages(), 3);
+  ASSERT_TRUE(cache.RemoveSequence(1).ok());
+  EXPECT_EQ(cache.free_pages(), 5);
+  // The freed pages can be assigned to another sequence.
+  ASSERT_TRUE(cache.AddSequence(2).ok());
+  ASSERT_TRUE(cache.AssignPages(2, pages).ok());
+  EXPECT_EQ(cache.PageTable(2), Table({3, 0}));
+}
+
+TEST(PagedKvCacheTest, AssignedPagesHoldEachSequencesValuesWithoutOverlap) {
+  // Two sequences on interleaved, out-of-order pages; each reads back exactly
+  // what was written (fp32), and a self-allocating cache never hands out a page
+  // that was assigned.
+  constexpr int kPage = 3;
+  const std::vector<float> ka = Random(8 * kEntry, 11), va = Random(8 * kEntry, 12);
+  const std::vector<float> kb = Random(5 * kEntry, 13), vb = Random(5 * kEntry, 14);
+  for (bool assigned_mode : {true, false}) {
+    KvCacheOptions options;
+    options.dtype = KvCacheDtype::kFp32;
+    options.num_pages = 9;
+    options.page_size_tokens = kPage;
+    options.caller_assigns_pages = assigned_mode;
+    auto made = PagedKvCache::Create(kShape, options);
+    ASSERT_TRUE(made.ok());
+    PagedKvCache& cache = *made;
+    ASSERT_TRUE(cache.AddSequence(1).ok());
+    ASSERT_TRUE(cache.AddSequence(2).ok());
+    ASSERT_TRUE(cache.AssignPages(1, std::vector<int32_t>{6, 0}).ok());
+    ASSERT_TRUE(cache.AssignPages(2, std::vector<int32_t>{5}).ok());
+    ASSERT_TRUE(cache.AssignPages(1, std::vector<int32_t>{2}).ok());  // appended later
+    ASSERT_TRUE(cache.AssignPages(2, std::vector<int32_t>{1}).ok());
+    cache.Write(1, 0, 0, 8, ka.data(), va.data());
+    cache.Write(2, 0, 0, 5, kb.data(), vb.data());
+    if (!assigned_mode) {
+      ASSERT_TRUE(cache.AddSequence(3).ok());
+      ASSERT_TRUE(cache.Reserve(3, 4 * kPage).ok());  // every free page
+      for (int64_t page : cache.PageTable(3)) {
+        EXPECT_TRUE(page != 6 && page != 0 && page != 2 && page != 5 && page != 1) << page;
+      }
+      const std::vector<float> poison(4 * kPage * kEntry, -1e30f);
+      cache.Write(3, 0, 0, 4 * kPage, poison.data(), poison.data());
+      EXPECT_EQ(cache.free_pages(), 0);
+    }
+    std::vector<float> k(8 * kEntry, 7.0f), v(8 * kEntry, 7.0f);
+    cache.Read(1, 0, 0, 8, k.data(), v.data());
+    EXPECT_EQ(k, ka);
+    EXPECT_EQ(v, va);
+    k.assign(5 * kEntry, 7.0f);
+    v.assign(5 * kEntry, 7.0f);
+    cache.Read(2, 0, 0, 5, k.data(), v.data());
+    EXPECT_EQ(k, kb);
+    EXPECT_EQ(v, vb);
+    EXPECT_EQ(cache.PageTable(1), Table({6, 0, 2}));
+    EXPECT_EQ(cache.PageTable(2), Table({5, 1}));
+    EXPECT_TRUE(cache.PageTable(42).empty());
+  }
 }
 
 TEST(PagedKvCacheTest, RejectsBadOptions) {

@@ -709,28 +709,6 @@ absl::Status CudaP2pCommunicator::health() const {
   return DeviceFailure("a captured launch");
 }
 
-// '1' where this rank's device can reach rank j's device peer-to-peer (or is
-// the same device), '0' otherwise.
-std::string ProbePeerAccess(const std::vector<GpuRankInfo>& infos, const GpuRankInfo& mine) {
-  std::string row;
-  for (const GpuRankInfo& peer : infos) {
-    if (peer.pci_bus_id == mine.pci_bus_id) {
-      row.push_back('1');
-      continue;
-    }
-    int device = -1;
-    int can_access = 0;
-    // The peer's GPU must be visible here (CUDA_VISIBLE_DEVICES) to be reached.
-    if (cudaDeviceGetByPCIBusId(&device, peer.pci_bus_id.c_str()) != cudaSuccess ||
-        cudaDeviceCanAccessPeer(&can_access, mine.device, device) != cudaSuccess) {
-      cudaGetLastError();
-      can_access = 0;
-    }
-    row.push_back(can_access != 0 ? '1' : '0');
-  }
-  return row;
-}
-
 }  // namespace
 
 absl::Status ValidateCudaP2pOptions(const CudaP2pOptions& options, int world_size) {
@@ -844,17 +822,11 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCudaP2pCommunicator(
     const CudaP2pOptions& options, Bootstrap& bootstrap) {
   const int rank = bootstrap.rank();
   const int world_size = bootstrap.world_size();
-  const absl::Time deadline =
-      absl::Now() +
-      (options.init_timeout > absl::ZeroDuration() ? options.init_timeout : absl::Seconds(10));
+  const absl::Time deadline = internal::GpuSetupDeadline(options.init_timeout);
 
   // 1. Local checks, then everyone's identity (a failure travels too).
-  GpuRankInfo mine;
-  mine.host_id = internal::LocalHostId();
-  mine.status = ValidateCudaP2pOptions(options, world_size);
-  if (mine.status.ok()) {
-    mine.status = internal::DescribeLocalGpu(options.device, "cuda_p2p.device", &mine);
-  }
+  const GpuRankInfo mine = internal::DescribeLocalRank(
+      ValidateCudaP2pOptions(options, world_size), options.device, "cuda_p2p.device");
   EXL3_ASSIGN_OR_RETURN(std::vector<GpuRankInfo> infos,
                         internal::ExchangeGpuRankInfo(bootstrap, mine, deadline, "cuda_p2p",
                                                       "exchanging GPU identities"));
@@ -869,7 +841,7 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateCudaP2pCommunicator(
   GpuRankInfo second;
   std::string handles;
   second.status = comm->Allocate(&handles);
-  if (second.status.ok()) second.payload = ProbePeerAccess(infos, mine) + handles;
+  if (second.status.ok()) second.payload = internal::ProbePeerAccess(infos, mine) + handles;
   EXL3_ASSIGN_OR_RETURN(std::vector<GpuRankInfo> exported,
                         internal::ExchangeGpuRankInfo(bootstrap, second, deadline, "cuda_p2p",
                                                       "exchanging IPC handles"));

@@ -8,9 +8,10 @@
 //   options.device = local_rank;
 //   absl::StatusOr<std::unique_ptr<Communicator>> comm =
 //       CreateCudaP2pCommunicator(options, bootstrap);
-//   if (absl::IsUnimplemented(comm.status())) {  // no peer access: NCCL instead
-//     comm = CreateNcclCommunicator(nccl_options, bootstrap);
+//   if (absl::IsUnimplemented(comm.status())) {  // no peer access: host_staged or NCCL
+//     comm = CreateHostStagedCommunicator(host_staged_options, bootstrap);
 //   }
+// (CreateGpuCommunicator in comm_factory.h probes first and picks for you.)
 //
 // What and when (protocol details: the top of cuda_p2p_kernels.cu):
 //   * Every operation of the interface runs natively on the same buffers:
@@ -29,8 +30,9 @@
 //     pair and exchanged, so all ranks decide alike), when the ranks are on
 //     different hosts, or for more than 8 ranks, creation fails on every
 //     rank with Unimplemented and a message saying to use the nccl backend.
-//     A host-staged path (exllamav3's pinned POSIX shm) is NOT implemented;
-//     Unimplemented is the caller's cue to create an nccl communicator.
+//     Unimplemented is the caller's cue to create a host_staged
+//     (host_staged_communicator.h: pinned host copies + shm) or nccl
+//     communicator instead; gpu_backend_choice.h decides which.
 //   * Deadlines: each launch's waits are bounded on the device by the time
 //     left to the call's deadline (%globaltimer). In eager mode the call
 //     then waits on an event until the launches finish, at most

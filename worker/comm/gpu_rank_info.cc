@@ -156,7 +156,54 @@ std::string LocalHostId() {
   return absl::StrCat(host, "/", boot_id);
 }
 
+absl::Time GpuSetupDeadline(absl::Duration init_timeout) {
+  return absl::Now() + (init_timeout > absl::ZeroDuration() ? init_timeout : absl::Seconds(10));
+}
+
+absl::Status CheckOneGpuPerRank(const std::vector<GpuRankInfo>& infos, std::string_view backend,
+                                std::string_view hint) {
+  for (size_t a = 0; a < infos.size(); ++a) {
+    for (size_t b = a + 1; b < infos.size(); ++b) {
+      if (infos[a].host_id == infos[b].host_id && infos[a].pci_bus_id == infos[b].pci_bus_id) {
+        return absl::FailedPreconditionError(
+            absl::StrCat(std::string(backend), ": ranks ", a, " and ", b, " both use GPU ",
+                         infos[a].pci_bus_id, " on host ", infos[a].host_id, "; ",
+                         std::string(hint)));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 #if defined(EXL3_HAVE_CUDA)
+GpuRankInfo DescribeLocalRank(absl::Status validation, int device, std::string_view option_name) {
+  GpuRankInfo mine;
+  mine.host_id = LocalHostId();
+  mine.status = std::move(validation);
+  if (mine.status.ok()) mine.status = DescribeLocalGpu(device, option_name, &mine);
+  return mine;
+}
+
+std::string ProbePeerAccess(const std::vector<GpuRankInfo>& infos, const GpuRankInfo& mine) {
+  std::string row;
+  for (const GpuRankInfo& peer : infos) {
+    if (peer.pci_bus_id == mine.pci_bus_id) {
+      row.push_back('1');
+      continue;
+    }
+    int device = -1;
+    int can_access = 0;
+    // The peer's GPU must be visible here (CUDA_VISIBLE_DEVICES) to be reached.
+    if (cudaDeviceGetByPCIBusId(&device, peer.pci_bus_id.c_str()) != cudaSuccess ||
+        cudaDeviceCanAccessPeer(&can_access, mine.device, device) != cudaSuccess) {
+      cudaGetLastError();
+      can_access = 0;
+    }
+    row.push_back(can_access != 0 ? '1' : '0');
+  }
+  return row;
+}
+
 absl::Status DescribeLocalGpu(int requested, std::string_view option_name, GpuRankInfo* info) {
   EXL3_RETURN_IF_ERROR(kernels::cuda::CudaDeviceAvailable());
   const int count = kernels::cuda::CudaDeviceCount();

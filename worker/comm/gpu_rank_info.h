@@ -80,7 +80,29 @@ class PollBackoff {
   int64_t sleep_us_ = 10;
 };
 
+// The bound on a GPU backend's creation: `init_timeout` from now, or 10 s
+// when it is not positive (so that the exchange reporting that bad option is
+// bounded too).
+absl::Time GpuSetupDeadline(absl::Duration init_timeout);
+
+// FailedPrecondition ("<backend>: ranks A and B both use GPU X on host H;
+// <hint>") for the first two ranks on one host with one PCI bus id, else OK.
+absl::Status CheckOneGpuPerRank(const std::vector<GpuRankInfo>& infos, std::string_view backend,
+                                std::string_view hint);
+
 #if defined(EXL3_HAVE_CUDA)
+// The first set-up report every GPU backend sends: this host's id, status =
+// `validation` (the backend's own option checks) and, when that is OK, the
+// device picked by DescribeLocalGpu(device, option_name) (its failure
+// becomes the status). Never fails itself: the report carries the failure.
+GpuRankInfo DescribeLocalRank(absl::Status validation, int device, std::string_view option_name);
+
+// This rank's row of the peer-access matrix over `infos` (index = rank):
+// '1' where `mine`'s device reaches the rank's GPU peer-to-peer (or it is the
+// same GPU), '0' otherwise, including a GPU not visible in this process
+// (CUDA_VISIBLE_DEVICES). Probed with cudaDeviceCanAccessPeer.
+std::string ProbePeerAccess(const std::vector<GpuRankInfo>& infos, const GpuRankInfo& mine);
+
 // Picks the device (`requested` >= 0, or the thread's current device for -1),
 // makes it current and fills device and pci_bus_id. FailedPrecondition when
 // no device is usable ("no CUDA device: ...") or `requested` is not a visible

@@ -140,6 +140,11 @@ absl::Status ApplyNcclEnvironment(const std::vector<std::pair<std::string, std::
     }
     applied.values[name] = value;
   }
+  if (!env.empty()) {
+    std::string line;
+    for (const auto& [name, value] : env) absl::StrAppend(&line, " ", name, "=", value);
+    EXL3_LOG(kInfo) << "nccl: settings applied before init:" << line;
+  }
   return absl::OkStatus();
 }
 
@@ -667,23 +672,17 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclO
   const int rank = bootstrap.rank();
   const int world_size = bootstrap.world_size();
   // The set-up exchange is bounded even when init_timeout itself is invalid.
-  const absl::Time deadline =
-      absl::Now() +
-      (options.init_timeout > absl::ZeroDuration() ? options.init_timeout : absl::Seconds(10));
+  const absl::Time deadline = internal::GpuSetupDeadline(options.init_timeout);
 
   // 1. Local checks; a failure still takes part in the exchange (see
   //    gpu_rank_info.h) so that every rank fails with it.
-  GpuRankInfo mine;
-  mine.host_id = internal::LocalHostId();
-  mine.status = ValidateNcclOptions(options);
+  absl::Status valid = ValidateNcclOptions(options);
   std::vector<std::pair<std::string, std::string>> env;
-  if (mine.status.ok()) {
+  if (valid.ok()) {
     env = NcclEnvironment(options);
-    mine.status = CheckNcclEnvironment(env);
+    valid = CheckNcclEnvironment(env);
   }
-  if (mine.status.ok()) {
-    mine.status = internal::DescribeLocalGpu(options.device, "nccl.device", &mine);
-  }
+  GpuRankInfo mine = internal::DescribeLocalRank(std::move(valid), options.device, "nccl.device");
   if (mine.status.ok() && rank == 0) {
     ncclUniqueId id;
     mine.status = NcclStatus(ncclGetUniqueId(&id), "ncclGetUniqueId");
@@ -701,15 +700,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclO
   }
   // 3. NCCL hangs (it does not fail) when two ranks share a GPU: refuse it,
   //    on every rank alike, from the exchanged identities.
-  for (int a = 0; a < world_size; ++a) {
-    for (int b = a + 1; b < world_size; ++b) {
-      if (infos[a].host_id == infos[b].host_id && infos[a].pci_bus_id == infos[b].pci_bus_id) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "nccl: ranks ", a, " and ", b, " both use GPU ", infos[a].pci_bus_id, " on host ",
-            infos[a].host_id, "; NCCL needs one GPU per rank (set nccl.device per rank)"));
-      }
-    }
-  }
+  EXL3_RETURN_IF_ERROR(internal::CheckOneGpuPerRank(
+      infos, "nccl", "NCCL needs one GPU per rank (set nccl.device per rank)"));
   ncclUniqueId id;
   std::memcpy(id.internal, infos[0].payload.data(), sizeof(id.internal));
 

@@ -85,6 +85,7 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
   cache.pool_.assign(static_cast<size_t>(cache.bytes_per_page_ * options.num_pages), 0);
   cache.free_pages_.reserve(options.num_pages);
   for (int64_t p = options.num_pages - 1; p >= 0; --p) cache.free_pages_.push_back(p);
+  cache.owner_.assign(static_cast<size_t>(options.num_pages), -1);
   return cache;
 }
 
@@ -134,7 +135,10 @@ absl::Status PagedKvCache::RemoveSequence(int64_t seq_id) {
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
   }
-  for (int64_t page : it->second.pages) free_pages_.push_back(page);
+  for (int64_t page : it->second.pages) {
+    free_pages_.push_back(page);
+    owner_[page] = -1;
+  }
   sequences_.erase(it);
   return absl::OkStatus();
 }
@@ -153,6 +157,12 @@ absl::Status PagedKvCache::Reserve(int64_t seq_id, int64_t capacity) {
   const int64_t page = options_.page_size_tokens;
   const int64_t needed = (capacity + page - 1) / page - static_cast<int64_t>(pages.size());
   if (needed <= 0) return absl::OkStatus();
+  if (options_.caller_assigns_pages) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kv cache: sequence ", seq_id, " holds ", pages.size(), " assigned pages (",
+        static_cast<int64_t>(pages.size()) * page, " positions) but needs ", capacity,
+        " positions; its pages are assigned by the coordinator and none was sent for them"));
+  }
   if (needed > free_pages()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "kv cache: sequence ", seq_id, " needs ", needed, " more pages for ", capacity,
@@ -161,9 +171,49 @@ absl::Status PagedKvCache::Reserve(int64_t seq_id, int64_t capacity) {
   }
   for (int64_t i = 0; i < needed; ++i) {
     pages.push_back(free_pages_.back());
+    owner_[free_pages_.back()] = seq_id;
     free_pages_.pop_back();
   }
   return absl::OkStatus();
+}
+
+absl::Status PagedKvCache::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  }
+  // Validate everything first: all or nothing.
+  for (size_t i = 0; i < page_ids.size(); ++i) {
+    const int64_t page = page_ids[i];
+    if (page < 0 || page >= options_.num_pages) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv cache: sequence ", seq_id, ": page ", page, " is outside [0, ",
+                       options_.num_pages, ") (kv_cache.num_pages of this rank)"));
+    }
+    if (owner_[page] != -1) {
+      return absl::FailedPreconditionError(absl::StrCat("kv cache: sequence ", seq_id, ": page ",
+                                                        page, " is already used by sequence ",
+                                                        owner_[page]));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (page_ids[j] == page_ids[i]) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "kv cache: sequence ", seq_id, ": page ", page, " is assigned twice in one call"));
+      }
+    }
+  }
+  std::vector<int64_t>& pages = it->second.pages;
+  for (int32_t page : page_ids) {
+    owner_[page] = seq_id;
+    pages.push_back(page);
+    free_pages_.erase(std::find(free_pages_.begin(), free_pages_.end(), int64_t{page}));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> PagedKvCache::PageTable(int64_t seq_id) const {
+  auto it = sequences_.find(seq_id);
+  return it == sequences_.end() ? std::vector<int64_t>() : it->second.pages;
 }
 
 void PagedKvCache::SetLength(int64_t seq_id, int64_t length) {

@@ -6,6 +6,8 @@
 //   EXL3_ASSIGN_OR_RETURN(auto cache, PagedKvCache::Create({layers, kv_heads, head_dim}, options));
 //   EXL3_RETURN_IF_ERROR(cache->AddSequence(7));
 //   EXL3_RETURN_IF_ERROR(cache->Reserve(7, 20));          // room for positions 0..19
+//   // or, when the coordinator places sequences (caller_assigns_pages):
+//   //   EXL3_RETURN_IF_ERROR(cache->AssignPages(7, block_ids));
 //   cache->Write(7, layer, 0, 20, k, v);                  // per layer
 //   cache->Read(7, layer, 0, 20, k_out, v_out);           // dequantized
 //   cache->SetLength(7, 20);                              // commit
@@ -21,6 +23,7 @@
 #define EXL3SERVE_WORKER_MODEL_KV_CACHE_H_
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -46,6 +49,12 @@ struct KvCacheOptions {
   // Pages in the pool; a sequence of L positions holds ceil(L / page) pages.
   int64_t num_pages = 256;
   KvCacheDtype dtype = KvCacheDtype::kFp16;
+  // Who places sequences on pages. false: Reserve takes free pages from the
+  // pool (a model driven by worker::Generate). true: only AssignPages does
+  // (the coordinator's block tables, coordinator/scheduler.h); Reserve never
+  // takes a page then and fails with FailedPrecondition when the assigned
+  // pages are short. Ranks of a coordinator always run with true.
+  bool caller_assigns_pages = false;
 };
 
 // Thread safety: thread-compatible; the worker's step thread owns it. Write
@@ -75,8 +84,22 @@ class PagedKvCache {
   // Makes positions [0, capacity) writable, taking pages from the pool.
   // Errors: NotFound for an unknown id; ResourceExhausted (naming the pages
   // needed and free; kv_cache.num_pages changes it) when the pool is short;
-  // then nothing is taken.
+  // then nothing is taken. With options().caller_assigns_pages it never takes
+  // a page: OK when the assigned pages cover `capacity`, else
+  // FailedPrecondition naming the pages held and needed.
   absl::Status Reserve(int64_t seq_id, int64_t capacity);
+
+  // Appends the given pages, in order, to the sequence's page table (the
+  // caller's allocation: the coordinator's block table of the sequence).
+  // All or nothing. Errors: NotFound for an unknown id; InvalidArgument
+  // naming the first page id outside [0, num_pages) or repeated in
+  // `page_ids`; FailedPrecondition naming the first page already used (by
+  // this or another sequence; "sequence S" in the message).
+  absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids);
+
+  // The sequence's page table (page ids in position order); empty for an
+  // unknown id.
+  std::vector<int64_t> PageTable(int64_t seq_id) const;
 
   // Stores keys and values of positions [start, start + count) of `layer`;
   // k and v are [count][num_kv_heads][head_dim]. Requires: the sequence
@@ -112,6 +135,8 @@ class PagedKvCache {
   // (int formats: the fp32 scale, then the values).
   std::vector<uint8_t> pool_;
   std::vector<int64_t> free_pages_;
+  // Owner of every page (-1 = free); kept in step with free_pages_.
+  std::vector<int64_t> owner_;
   absl::flat_hash_map<int64_t, Sequence> sequences_;
 };
 

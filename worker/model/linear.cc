@@ -1,6 +1,7 @@
 #include "worker/model/linear.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -188,6 +189,22 @@ Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t
   return linear;
 }
 
+namespace {
+std::atomic<kernels::TrellisGemmPrecision> g_prefill_precision{kernels::TrellisGemmPrecision::kFloat};
+}  // namespace
+
+absl::Status SetPrefillPrecision(kernels::TrellisGemmPrecision precision) {
+  if (precision == kernels::TrellisGemmPrecision::kInt8) {
+    return absl::InvalidArgumentError("prefill precision must be fp32 or bf16, not int8");
+  }
+  g_prefill_precision.store(precision, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+kernels::TrellisGemmPrecision PrefillPrecision() {
+  return g_prefill_precision.load(std::memory_order_relaxed);
+}
+
 absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   if (m == 0 || out_ == 0) return absl::OkStatus();
   if (observer_ != nullptr) observer_->ObserveInput(key_, x, m, in_);
@@ -217,9 +234,11 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
     }
     input = padded_x.data();
   }
-  if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y);
+  kernels::TrellisGemmOptions options;
+  if (m >= kPrefillMinRows) options.precision = PrefillPrecision();
+  if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y, options);
   std::vector<float> padded_y(static_cast<size_t>(m * n));
-  EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data()));
+  EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data(), options));
   for (int64_t i = 0; i < m; ++i) {
     std::memcpy(y + i * out_, &padded_y[i * n + out_offset_], sizeof(float) * out_);
   }

@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/reconstruct.h"
+#include "kernels/trellis_gemm.h"
 
 namespace exl3serve::sharding {
 class Exl3Model;
@@ -36,6 +37,17 @@ class InputObserver {
   virtual void ObserveInput(const std::string& key, const float* x, int64_t rows,
                             int64_t in_features) = 0;
 };
+
+// Precision of every EXL3 Linear::Forward with at least kPrefillMinRows rows
+// (prefill) in this process: kFloat (default, exact fp32) or kBf16 (bf16
+// weights and activations, fp32 sums; ~0.24-0.3 % RMS error, AMX where the CPU
+// has it: kernels/trellis_gemm.h). Smaller m (decode) always runs kFloat.
+// Set it before serving (`generate --prefill-precision bf16`); affects this
+// process only (rank processes of --tp/--ep keep kFloat). Thread-safe.
+// Errors: InvalidArgument for kInt8 (mul1-only, not a prefill mode).
+inline constexpr int64_t kPrefillMinRows = 17;
+absl::Status SetPrefillPrecision(kernels::TrellisGemmPrecision precision);
+kernels::TrellisGemmPrecision PrefillPrecision();
 
 // Thread safety: immutable after Load; Forward is const and thread-safe
 // (an attached InputObserver must tolerate the calling threads).

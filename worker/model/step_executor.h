@@ -36,6 +36,23 @@ class StepExecutor {
   virtual absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                                std::vector<float>* logits) = 0;
 
+  // Appends `page_ids` to the sequence's KV page table on every rank (the
+  // coordinator's block allocator placed it; PagedKvCache::AssignPages). For
+  // an executor whose caches have KvCacheOptions::caller_assigns_pages this is
+  // the only way a sequence gets pages: a Forward needing positions beyond its
+  // assigned pages fails (FailedPrecondition). Executors over rank processes
+  // send the pages with the sequence's next Forward, so their errors
+  // (InvalidArgument / FailedPrecondition naming the page, as AssignPages)
+  // come from that Forward; this process's cache answers at once.
+  // Unimplemented when the executor allocates pages itself.
+  virtual absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
+    return absl::UnimplementedError("this executor allocates its own KV pages");
+  }
+
+  // The page layout of the executor's caches (every rank's), which the
+  // coordinator's block allocator must equal; nullopt when unknown (fakes).
+  virtual std::optional<KvCacheOptions> kv_options() const { return std::nullopt; }
+
   // Re-forms a broken executor by `deadline` — new rank processes, or ranks
   // that re-registered — after which it holds no sequences (callers replay
   // them). Unimplemented when the executor cannot (a model in this process
@@ -63,6 +80,10 @@ class LocalStepExecutor final : public StepExecutor {
                        std::vector<float>* logits) override {
     return model_->Forward(batch, rows, cache_, logits);
   }
+  absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
+    return cache_->AssignPages(seq_id, page_ids);
+  }
+  std::optional<KvCacheOptions> kv_options() const override { return cache_->options(); }
   PagedKvCache& cache() { return *cache_; }
 
  private:

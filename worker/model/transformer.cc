@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/thread_pool.h"
+#include "kernels/ops.h"
 #include "nlohmann/json.hpp"
 #include "sharding/exl3_model.h"
 #include "worker/comm/communicator.h"
@@ -38,34 +39,6 @@ absl::StatusOr<std::vector<float>> LoadVector(const sharding::Exl3Model& model,
         absl::StrCat(model.dir(), ": tensor `", name, "` must have shape [", size, "]"));
   }
   return model.LoadTensorAsFloat(name);
-}
-
-// In place: each of the `rows` rows of width d becomes x / rms(x) ⊙ w.
-void RmsNorm(float* x, int64_t rows, int64_t d, const float* w, double eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* xr = x + r * d;
-    double sum = 0.0;
-    for (int64_t i = 0; i < d; ++i) sum += static_cast<double>(xr[i]) * xr[i];
-    const float inv = static_cast<float>(1.0 / std::sqrt(sum / static_cast<double>(d) + eps));
-    for (int64_t i = 0; i < d; ++i) xr[i] = xr[i] * inv * w[i];
-  }
-}
-
-// Rotate-half RoPE on `heads` heads of width d in one row at position pos.
-void ApplyRope(float* row, int64_t heads, int64_t d, int64_t pos,
-               const std::vector<double>& inv_freq) {
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < half; ++i) {
-    const double angle = static_cast<double>(pos) * inv_freq[i];
-    const float c = static_cast<float>(std::cos(angle));
-    const float s = static_cast<float>(std::sin(angle));
-    for (int64_t h = 0; h < heads; ++h) {
-      float* x = row + h * d;
-      const float x1 = x[i], x2 = x[i + half];
-      x[i] = x1 * c - x2 * s;
-      x[i + half] = x2 * c + x1 * s;
-    }
-  }
 }
 
 inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
@@ -111,7 +84,15 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadShard(const std::s
   if (tp.comm == nullptr) {
     return absl::InvalidArgumentError("tensor parallelism needs a communicator");
   }
-  return LoadImpl(dir, &tp, TransformerLoadOptions{});
+  return LoadShard(dir, tp, TransformerLoadOptions{});
+}
+
+absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadShard(
+    const std::string& dir, const TensorParallelism& tp, const TransformerLoadOptions& options) {
+  if (tp.comm == nullptr) {
+    return absl::InvalidArgumentError("tensor parallelism needs a communicator");
+  }
+  return LoadImpl(dir, &tp, options);
 }
 
 absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(
@@ -243,6 +224,14 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
     }
   }
   EXL3_ASSIGN_OR_RETURN(final_norm_, LoadVector(model, "model.norm.weight", hidden));
+  // Expert load counters (metrics): the experts this rank holds in any layer.
+  if (arch.num_experts > 0) {
+    expert_tokens_ = std::make_unique<std::atomic<uint64_t>[]>(arch.num_experts);
+    expert_held_.assign(arch.num_experts, false);
+    for (const Layer& layer : layers_) {
+      for (size_t i = 0; i < layer.experts.size(); ++i) expert_held_[layer.expert_begin + i] = true;
+    }
+  }
 
   // The head: lm_head when the checkpoint has one (also when tied), else the
   // token embedding. A single rank shares the embedding with a tied head
@@ -261,10 +250,22 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
   const uint64_t embed_resident_bytes = static_cast<uint64_t>(arch.vocab_size * hidden) * 4;
   const sharding::SpillCandidate embed_candidate{kEmbedName, embed_resident_bytes};
   const uint64_t stored = model.checkpoint().total_tensor_bytes();
-  EXL3_ASSIGN_OR_RETURN(
-      std::vector<std::string> spilled,
-      sharding::ChooseSpilledTensors(options.spill, {&embed_candidate, 1},
-                                     stored > embed_resident_bytes ? stored - embed_resident_bytes : 0));
+  // Everything else counts as resident at its stored size (as the planner,
+  // sharding::PlanRowTables, counts a rank's weight_bytes).
+  const sharding::PlainTensorInfo* embed_info = model.FindPlain(kEmbedName);
+  const uint64_t embed_stored = embed_info != nullptr ? embed_info->stored_bytes : 0;
+  std::vector<sharding::SpillCandidate> candidates = {embed_candidate};
+  uint64_t other_resident = stored > embed_stored ? stored - embed_stored : 0;
+  if (!whole && !shard.row_tables.empty()) {
+    // A rank decides from its own shard, as the planner does (PlanRowTables).
+    candidates = sharding::RowTableCandidates(shard);
+    other_resident = sharding::OtherResidentBytes(shard);
+  }
+  EXL3_ASSIGN_OR_RETURN(std::vector<std::string> spilled,
+                        sharding::ChooseSpilledTensors(options.spill, candidates, other_resident));
+  if (std::find(spilled.begin(), spilled.end(), std::string(kEmbedName)) == spilled.end()) {
+    spilled.clear();
+  }
   if (!spilled.empty()) {
     std::optional<sharding::SafetensorsCheckpoint::Located> located =
         model.checkpoint().Find(kEmbedName);
@@ -293,6 +294,22 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
   }
   head_.set_key("lm_head");
   return absl::OkStatus();
+}
+
+std::vector<Transformer::SpillTableStats> Transformer::spill_stats() const {
+  std::vector<SpillTableStats> out;
+  if (embed_spill_ != nullptr) out.push_back({"model.embed_tokens.weight", embed_spill_->stats()});
+  return out;
+}
+
+std::vector<std::pair<int, uint64_t>> Transformer::expert_tokens() const {
+  std::vector<std::pair<int, uint64_t>> out;
+  for (size_t e = 0; e < expert_held_.size(); ++e) {
+    if (expert_held_[e]) {
+      out.emplace_back(static_cast<int>(e), expert_tokens_[e].load(std::memory_order_relaxed));
+    }
+  }
+  return out;
 }
 
 absl::Status Transformer::AllReduce(std::vector<float>& data) const {
@@ -449,7 +466,8 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   for (int l = 0; l < arch.num_layers; ++l) {
     const Layer& layer = layers_[l];
     a = h;
-    RmsNorm(a.data(), total, hidden, layer.input_norm.data(), config_.rms_norm_eps);
+    EXL3_RETURN_IF_ERROR(kernels::RmsNorm(a.data(), total, hidden, layer.input_norm.data(),
+                                          config_.rms_norm_eps, a.data()));
     EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data()));
     EXL3_RETURN_IF_ERROR(layer.k.Forward(a.data(), total, k.data()));
     EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data()));
@@ -458,7 +476,9 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
     EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
     a = h;
-    RmsNorm(a.data(), total, hidden, layer.post_attention_norm.data(), config_.rms_norm_eps);
+    EXL3_RETURN_IF_ERROR(kernels::RmsNorm(a.data(), total, hidden,
+                                          layer.post_attention_norm.data(), config_.rms_norm_eps,
+                                          a.data()));
     EXL3_RETURN_IF_ERROR(Mlp(layer, a, total, &delta));
     EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
@@ -478,7 +498,8 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
       ++out_rows;
     }
   }
-  RmsNorm(selected.data(), out_rows, hidden, final_norm_.data(), config_.rms_norm_eps);
+  EXL3_RETURN_IF_ERROR(kernels::RmsNorm(selected.data(), out_rows, hidden, final_norm_.data(),
+                                        config_.rms_norm_eps, selected.data()));
   std::vector<float> local(static_cast<size_t>(out_rows * vocab_.size()));
   EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, local.data()));
   EXL3_RETURN_IF_ERROR(GatherLogits(local, out_rows, logits));
@@ -504,14 +525,17 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
     const int64_t start = starts[b];
     float* qb = q.data() + row0 * nh * hd;
     float* kb = k.data() + row0 * nkv * hd;
-    for (int64_t t = 0; t < n; ++t) {
-      if (config_.qk_norm) {
-        RmsNorm(qb + t * nh * hd, nh, hd, layer.q_norm.data(), config_.rms_norm_eps);
-        RmsNorm(kb + t * nkv * hd, nkv, hd, layer.k_norm.data(), config_.rms_norm_eps);
-      }
-      ApplyRope(qb + t * nh * hd, nh, hd, start + t, rope_inv_freq_);
-      ApplyRope(kb + t * nkv * hd, nkv, hd, start + t, rope_inv_freq_);
+    if (config_.qk_norm) {
+      EXL3_RETURN_IF_ERROR(kernels::RmsNorm(qb, n * nh, hd, layer.q_norm.data(),
+                                            config_.rms_norm_eps, qb));
+      EXL3_RETURN_IF_ERROR(kernels::RmsNorm(kb, n * nkv, hd, layer.k_norm.data(),
+                                            config_.rms_norm_eps, kb));
     }
+    std::vector<int64_t> positions(n);
+    std::iota(positions.begin(), positions.end(), start);
+    EXL3_RETURN_IF_ERROR(kernels::ApplyRope(qb, n, nh, hd, positions.data(), rope_inv_freq_.data()));
+    EXL3_RETURN_IF_ERROR(
+        kernels::ApplyRope(kb, n, nkv, hd, positions.data(), rope_inv_freq_.data()));
     cache->Write(batch[b].seq_id, layer_index, start, n, kb, v.data() + row0 * nkv * hd);
 
     // Every key any of these queries can see: [lo, start + n).
@@ -527,29 +551,14 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
       const int64_t t = task / nh, head = task % nh;
       const int64_t pos = start + t;
       const int64_t first = window > 0 ? std::max(lo, pos - window + 1) : lo;
-      const float* qv = qb + (t * nh + head) * hd;
       const int64_t g = (layer.q_head_begin + head) / group - layer.kv_head_begin;
-      float* scores = scratch[worker].data();
-      float max_score = -INFINITY;
-      for (int64_t j = first; j <= pos; ++j) {
-        const float* kv = keys.data() + ((j - lo) * nkv + g) * hd;
-        float dot = 0.0f;
-        for (int64_t i = 0; i < hd; ++i) dot += qv[i] * kv[i];
-        scores[j - lo] = dot * scale;
-        max_score = std::max(max_score, scores[j - lo]);
-      }
-      float sum = 0.0f;
-      for (int64_t j = first; j <= pos; ++j) {
-        scores[j - lo] = std::exp(scores[j - lo] - max_score);
-        sum += scores[j - lo];
-      }
-      float* o = ob + (t * nh + head) * hd;
-      std::fill(o, o + hd, 0.0f);
-      for (int64_t j = first; j <= pos; ++j) {
-        const float w = scores[j - lo] / sum;
-        const float* vv = values.data() + ((j - lo) * nkv + g) * hd;
-        for (int64_t i = 0; i < hd; ++i) o[i] += w * vv[i];
-      }
+      // The cache stores int8/int4 too, so it hands over dequantized
+      // contiguous rows; the paged kernels::DecodeAttention /
+      // PrefillAttention (fp16/fp32 pages) run this same row kernel.
+      kernels::AttendRow(qb + (t * nh + head) * hd, keys.data() + ((first - lo) * nkv + g) * hd,
+                         values.data() + ((first - lo) * nkv + g) * hd, pos - first + 1,
+                         nkv * hd, hd, scale, scratch[worker].data(),
+                         ob + (t * nh + head) * hd);
     });
     row0 += n;
   }
@@ -608,6 +617,9 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
     y.resize(count * hidden);
     for (int64_t i = 0; i < count; ++i) {
       std::memcpy(&x[i * hidden], &a[rows[i] * hidden], sizeof(float) * hidden);
+    }
+    if (expert_tokens_ != nullptr) {
+      expert_tokens_[e].fetch_add(static_cast<uint64_t>(count), std::memory_order_relaxed);
     }
     const Expert& expert = layer.experts[e - held_begin];
     EXL3_RETURN_IF_ERROR(gated(expert.gate, expert.up, expert.down, x.data(), count, y.data()));

@@ -24,10 +24,12 @@
 #ifndef EXL3SERVE_WORKER_MODEL_TRANSFORMER_H_
 #define EXL3SERVE_WORKER_MODEL_TRANSFORMER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -119,6 +121,13 @@ class Transformer {
   // whose KV head count differs between layers.
   static absl::StatusOr<std::unique_ptr<Transformer>> LoadShard(const std::string& dir,
                                                                 const TensorParallelism& tp);
+  // The same with options. The embedding is replicated on every rank, so a
+  // rank whose policy spills it reads the whole table in place (or from its
+  // own extracted copy) but only the rows its batches look up; the policy's
+  // memory budget is this rank's (its shard's stored bytes count as resident,
+  // see sharding::PlanRowTables, which makes the same choice per rank).
+  static absl::StatusOr<std::unique_ptr<Transformer>> LoadShard(
+      const std::string& dir, const TensorParallelism& tp, const TransformerLoadOptions& options);
 
   const ModelConfig& config() const { return config_; }
   int64_t vocab_size() const { return config_.arch.vocab_size; }
@@ -142,6 +151,21 @@ class Transformer {
 
   // Bytes this process read from the checkpoint while loading.
   uint64_t bytes_read() const { return bytes_read_; }
+
+  // The spilled row-lookup tables and their store counters (empty when
+  // nothing spilled). Thread-safe; each entry's counters as
+  // sharding::SpillStore::stats().
+  struct SpillTableStats {
+    std::string tensor;
+    sharding::SpillStoreStats stats;
+  };
+  std::vector<SpillTableStats> spill_stats() const;
+
+  // MoE: tokens routed to each expert this rank holds (summed over layers;
+  // a token counts once per layer whose top-k picks the expert), since Load,
+  // as (expert index, tokens). Empty for a dense model. Thread-safe (relaxed
+  // counters, updated by Forward).
+  std::vector<std::pair<int, uint64_t>> expert_tokens() const;
 
   // Attaches `observer` (borrowed; nullptr detaches) to every linear, so it
   // sees each linear's input during Forward (calibration).
@@ -197,6 +221,10 @@ class Transformer {
   comm::Communicator* comm_ = nullptr;  // null: a single rank
   uint64_t bytes_read_ = 0;
   absl::Duration collective_timeout_;
+  // MoE: tokens routed per expert index (num_experts entries; only held
+  // experts count). Relaxed atomics, written by Forward.
+  std::unique_ptr<std::atomic<uint64_t>[]> expert_tokens_;
+  std::vector<bool> expert_held_;
 };
 
 }  // namespace exl3serve::worker

@@ -21,14 +21,16 @@
 
 namespace exl3serve::worker::rank {
 
-inline constexpr uint32_t kControlWireVersion = 1;
+// 2: forwards carry the pages the driver assigned; the hello reports the KV layout.
+inline constexpr uint32_t kControlWireVersion = 2;
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
 enum class ControlOp : uint8_t {
   kAddSequence = 1,     // i64 seq_id
   kRemoveSequence = 2,  // i64 seq_id
-  kForward = 3,         // u8 rows (0 last token, 1 all), u32 n, n x {i64 seq, i32[] tokens}
+  kForward = 3,         // u8 rows (0 last token, 1 all), u32 n,
+                        // n x {i64 seq, i32[] tokens, i32[] newly assigned pages}
   kShutdown = 4,        // no payload; the rank replies OK and exits 0
 };
 

@@ -12,6 +12,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cstring>
 #include <random>
@@ -22,6 +23,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "worker/rank/control_wire.h"
+#include "worker/rank/rank_executor.h"
 
 namespace exl3serve::worker::rank {
 namespace {
@@ -88,6 +90,7 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
     return absl::InvalidArgumentError(absl::StrCat("rank wrappers: ", options.rank_wrappers.size(),
                                                    " given for ", options.world_size, " ranks"));
   }
+  EXL3_RETURN_IF_ERROR(CheckCapacities(options.capacities, options.world_size));
   if (options.comm.backend == "ucx" && options.comm.bootstrap_address.empty()) {
     return absl::InvalidArgumentError("backend ucx needs a bootstrap address (host:port)");
   }
@@ -127,6 +130,35 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
       args.insert(args.end(), {"--bootstrap", spec.bootstrap_address});
     }
     if (!spec.ucx_tls.empty()) args.insert(args.end(), {"--ucx-tls", spec.ucx_tls});
+    for (const std::string& tensor : options.spill.spill) {
+      args.insert(args.end(), {"--spill-tensor", tensor});
+    }
+    if (options.spill.auto_threshold_bytes > 0) {
+      args.insert(args.end(), {"--spill-threshold-bytes",
+                               absl::StrCat(options.spill.auto_threshold_bytes)});
+    }
+    if (options.spill.memory_budget_bytes > 0) {
+      args.insert(args.end(), {"--memory-budget-bytes",
+                               absl::StrCat(options.spill.memory_budget_bytes)});
+    }
+    args.insert(args.end(),
+                {"--spill-cache-bytes", absl::StrCat(options.spill.cache_budget_bytes)});
+    if (!options.spill.cache_dir.empty()) {
+      args.insert(args.end(), {"--spill-cache-dir", options.spill.cache_dir});
+    }
+    if (options.spill.extract) args.push_back("--spill-extract");
+    if (options.kv.caller_assigns_pages) args.push_back("--kv-assigned");
+    if (!options.capacities.empty()) {
+      // Shortest round-trip text: every rank plans from exactly these values.
+      std::string capacities;
+      for (double c : options.capacities) {
+        char text[64];
+        const std::to_chars_result end = std::to_chars(text, text + sizeof(text), c);
+        if (!capacities.empty()) capacities += ',';
+        capacities.append(text, end.ptr);
+      }
+      args.insert(args.end(), {"--capacities", capacities});
+    }
     if (options.metrics_port > 0) {
       args.insert(args.end(), {"--metrics-host", options.metrics_host, "--metrics-port",
                                absl::StrCat(options.metrics_port + r)});
@@ -177,7 +209,16 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
         const int64_t vocab = in.I64();
         rank.bytes_read = in.U64();
         rank.planned_bytes = in.U64();
+        const int64_t kv_pages = in.I64();
+        const uint32_t kv_page_size = in.U32();
         if (status.ok()) status = in.Finish("rank hello");
+        if (status.ok() && (kv_pages != options.kv.num_pages ||
+                            static_cast<int64_t>(kv_page_size) != options.kv.page_size_tokens)) {
+          status = absl::FailedPreconditionError(absl::StrCat(
+              "its KV cache has ", kv_pages, " pages of ", kv_page_size,
+              " positions but the driver's block allocator has ", options.kv.num_pages,
+              " of ", options.kv.page_size_tokens));
+        }
         if (status.ok()) group->vocab_size_ = vocab;
       }
       if (!status.ok()) status = absl::Status(status.code(), absl::StrCat("rank ", r, ": ", status.message()));
@@ -267,7 +308,15 @@ absl::Status LocalGroup::AddSequence(int64_t seq_id) {
   return RoundTrip(w.data(), step_timeout_, nullptr);
 }
 
+absl::Status LocalGroup::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
+  if (!broken_.ok()) return broken_;
+  std::vector<int32_t>& staged = staged_pages_[seq_id];
+  staged.insert(staged.end(), page_ids.begin(), page_ids.end());
+  return absl::OkStatus();
+}
+
 absl::Status LocalGroup::RemoveSequence(int64_t seq_id) {
+  staged_pages_.erase(seq_id);
   WireWriter w;
   w.U8(static_cast<uint8_t>(ControlOp::kRemoveSequence));
   w.I64(seq_id);
@@ -283,6 +332,13 @@ absl::Status LocalGroup::Forward(std::span<const SequenceTokens> batch, LogitsRo
   for (const SequenceTokens& entry : batch) {
     w.I64(entry.seq_id);
     w.I32s(entry.tokens.data(), entry.tokens.size());
+    auto staged = staged_pages_.find(entry.seq_id);
+    if (staged == staged_pages_.end()) {
+      w.I32s(nullptr, 0);
+    } else {
+      w.I32s(staged->second.data(), staged->second.size());
+      staged_pages_.erase(staged);  // sent: the ranks hold them now (or refuse them)
+    }
   }
   std::string body;
   EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
@@ -305,6 +361,7 @@ absl::Status LocalGroup::Recover(absl::Time deadline) {
   vocab_size_ = g.vocab_size_;
   broken_ = absl::OkStatus();
   shut_down_ = false;
+  staged_pages_.clear();
   g.ranks_.clear();
   g.shut_down_ = true;  // its ranks are ours now
   EXL3_LOG(kInfo) << "rank group re-formed with " << ranks_.size() << " new rank processes";

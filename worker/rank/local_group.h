@@ -22,12 +22,15 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "sharding/spill_store.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/step_executor.h"
@@ -51,6 +54,13 @@ struct LocalGroupOptions {
   KvCacheOptions kv;
   absl::Duration load_timeout = absl::Minutes(5);
   absl::Duration step_timeout = absl::Seconds(60);
+  // Row tables every rank reads from disk (worker --spill-* flags; each rank
+  // applies the policy to its own shard). Default: none.
+  sharding::SpillPolicy spill;
+  // Relative capacity per rank (RankSetup::capacities: a rank with less gets
+  // proportionally less of every layer); empty = uniform, else world_size
+  // finite values > 0. Passed to every rank as `worker --capacities`.
+  std::vector<double> capacities;
   // Rank r serves /metrics on metrics_host:(metrics_port + r); 0 = off.
   int metrics_port = 0;
   std::string metrics_host = "127.0.0.1";
@@ -70,6 +80,11 @@ class LocalGroup final : public StepExecutor {
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        std::vector<float>* logits) override;
+  // Stages the pages; they go to every rank with the sequence's next Forward
+  // (needs options.kv.caller_assigns_pages for the ranks to rely on them
+  // alone). Unavailable once the group is broken.
+  absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
+  std::optional<KvCacheOptions> kv_options() const override { return options_.kv; }
 
   // Replaces a broken group with new rank processes started from the same
   // options (the survivors are shut down first); afterwards no sequence
@@ -111,6 +126,8 @@ class LocalGroup final : public StepExecutor {
   absl::Duration step_timeout_;
   absl::Status broken_;
   bool shut_down_ = false;
+  // AssignPages not yet sent, per sequence (sent with its next Forward).
+  absl::flat_hash_map<int64_t, std::vector<int32_t>> staged_pages_;
 };
 
 }  // namespace exl3serve::worker::rank

@@ -2,8 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -11,10 +14,12 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
 #include "exl3serve/rank/v1/rank.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/cpu/thread_pool.h"
@@ -56,15 +61,55 @@ struct SessionEnd {
   EndKind kind = EndKind::kCoordinatorGone;
   absl::Status status;  // the error, or the shutdown reason as an OK-kind note
   std::string reason;
+  // The coordinator sent nothing on the stream before it ended (a TLS
+  // handshake that refused our certificate looks like this).
+  bool unanswered = false;
 };
+
+absl::StatusOr<std::string> ReadFileFlag(const std::string& path, const char* flag) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("worker: ", flag, ": cannot read ", path));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("worker: ", flag, ": ", path, " is empty"));
+  }
+  return text;
+}
+
+// The channel credentials of options (TLS when tls_ca_file is set).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
+    const RankClientOptions& options, grpc::ChannelArguments* args) {
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("worker: --tls-cert and --tls-key go together");
+  }
+  if (options.tls_ca_file.empty()) {
+    if (!options.tls_cert_file.empty() || !options.tls_server_name.empty()) {
+      return absl::InvalidArgumentError(
+          "worker: --tls-cert / --tls-server-name need --tls-ca (the coordinator's CA)");
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  EXL3_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFileFlag(options.tls_ca_file, "--tls-ca"));
+  if (!options.tls_cert_file.empty()) {
+    EXL3_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFileFlag(options.tls_cert_file, "--tls-cert"));
+    EXL3_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFileFlag(options.tls_key_file, "--tls-key"));
+  }
+  if (!options.tls_server_name.empty()) args->SetSslTargetNameOverride(options.tls_server_name);
+  return grpc::SslCredentials(ssl);
+}
 
 // One stream to the coordinator, from Register to its end.
 // Threads: the calling thread reads the stream; a heartbeat thread and a
 // step thread (after Setup) write to it under write_mu_.
 class Session {
  public:
-  Session(const RankClientOptions& options, pb::RankControl::Stub* stub)
-      : options_(options), stub_(stub) {}
+  // `authorization`: "Bearer <rank token>", or empty.
+  Session(const RankClientOptions& options, pb::RankControl::Stub* stub,
+          const std::string& authorization)
+      : options_(options), stub_(stub) {
+    if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
+  }
 
   SessionEnd Run() {
     stream_ = stub_->Connect(&context_);
@@ -82,6 +127,7 @@ class Session {
       std::thread heartbeat([this] { HeartbeatLoop(); });
       pb::CoordinatorMessage message;
       while (!end.has_value() && stream_->Read(&message)) {
+        answered_ = true;
         switch (message.kind_case()) {
           case pb::CoordinatorMessage::kSetup:
             end = OnSetup(message.setup());
@@ -120,9 +166,11 @@ class Session {
       case grpc::StatusCode::FAILED_PRECONDITION:
       case grpc::StatusCode::INVALID_ARGUMENT:
       case grpc::StatusCode::ALREADY_EXISTS:
+      case grpc::StatusCode::UNAUTHENTICATED:
+      case grpc::StatusCode::PERMISSION_DENIED:
         return SessionEnd{EndKind::kRefused, status, ""};
       default:
-        return SessionEnd{EndKind::kCoordinatorGone, status, ""};
+        return SessionEnd{EndKind::kCoordinatorGone, status, "", !answered_};
     }
   }
 
@@ -160,6 +208,7 @@ class Session {
     rank_setup.rank = options_.rank;
     rank_setup.world_size = setup.world_size();
     rank_setup.expert_parallel = setup.expert_parallel();
+    rank_setup.capacities.assign(setup.capacities().begin(), setup.capacities().end());
     rank_setup.comm.backend = setup.comm().backend();
     rank_setup.comm.shm_name = setup.comm().shm_name();
     rank_setup.comm.bootstrap_address = setup.comm().bootstrap_address();
@@ -171,11 +220,25 @@ class Session {
     if (setup.kv().page_size_tokens() > 0) {
       rank_setup.kv.page_size_tokens = setup.kv().page_size_tokens();
     }
+    // The coordinator's block tables place every sequence (rank.proto): this
+    // rank never takes a page on its own.
+    rank_setup.kv.caller_assigns_pages = true;
     if (setup.join_timeout_ms() > 0) {
       rank_setup.join_timeout = absl::Milliseconds(setup.join_timeout_ms());
     }
     if (setup.collective_timeout_ms() > 0) {
       rank_setup.collective_timeout = absl::Milliseconds(setup.collective_timeout_ms());
+    }
+    if (options_.spill.has_value()) {
+      rank_setup.spill = *options_.spill;
+    } else if (setup.has_spill()) {
+      const pb::SpillSettings& spill = setup.spill();
+      rank_setup.spill.spill.assign(spill.tensors().begin(), spill.tensors().end());
+      rank_setup.spill.auto_threshold_bytes = spill.threshold_bytes();
+      rank_setup.spill.memory_budget_bytes = spill.memory_budget_bytes();
+      if (spill.cache_bytes() > 0) rank_setup.spill.cache_budget_bytes = spill.cache_bytes();
+      rank_setup.spill.cache_dir = spill.cache_dir();
+      rank_setup.spill.extract = spill.extract();
     }
     rank_setup.observer = options_.observer;
     {
@@ -189,6 +252,7 @@ class Session {
     EXL3_LOG(kInfo) << "rank " << options_.rank << "/" << setup.world_size()
                     << ": group generation " << setup.group_generation() << ", loading "
                     << setup.model_dir();
+    group_generation_ = setup.group_generation();  // read by the step thread only
     step_thread_ = std::thread([this, rank_setup] { StepLoop(rank_setup); });
     return std::nullopt;
   }
@@ -236,6 +300,8 @@ class Session {
       ready->set_planned_bytes(loaded->planned_bytes);
       ready->set_vocab_size(loaded->model->vocab_size());
       ready->set_comm_backend(loaded->comm->backend_name());
+      ready->set_kv_num_pages(loaded->cache->options().num_pages);
+      ready->set_kv_page_size_tokens(loaded->cache->options().page_size_tokens);
       EXL3_LOG(kInfo) << "rank " << setup.rank << "/" << setup.world_size << " ready ("
                       << loaded->comm->backend_name() << ", " << loaded->bytes_read
                       << " checkpoint bytes read)";
@@ -267,7 +333,20 @@ class Session {
       RankCommand command;
       absl::Status status;
       std::vector<float> logits;
-      switch (step.op_case()) {
+      if (step.group_generation() != group_generation_) {
+        // Every rank of the group sees the same step, so all refuse it alike.
+        status = absl::AbortedError(absl::StrCat(
+            "step ", step.step_id(), " is for rank group generation ", step.group_generation(),
+            " but this rank belongs to generation ", group_generation_,
+            " (its sequences are not the caller's: replay them)"));
+      }
+      switch (status.ok() ? step.op_case() : pb::Step::OP_NOT_SET) {
+        case pb::Step::OP_NOT_SET:
+          if (status.ok()) {
+            status = absl::InvalidArgumentError(
+                absl::StrCat("step ", step.step_id(), ": no operation set"));
+          }
+          break;
         case pb::Step::kAddSequence:
           command.op = RankCommand::Op::kAddSequence;
           command.seq_id = step.add_sequence().seq_id();
@@ -290,6 +369,7 @@ class Session {
           for (const pb::SequenceTokens& seq : forward.sequences()) {
             command.batch_seq_ids.push_back(seq.seq_id());
             command.batch_tokens.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
+            command.batch_new_pages.emplace_back(seq.block_ids().begin(), seq.block_ids().end());
           }
           break;
         }
@@ -336,6 +416,7 @@ class Session {
   grpc::ClientContext context_;        // TryCancel is thread-safe
   std::unique_ptr<grpc::ClientReaderWriter<pb::RankMessage, pb::CoordinatorMessage>> stream_;
   std::thread step_thread_;  // started by the reader thread on Setup, joined by Run
+  bool answered_ = false;    // the reader thread's: any coordinator message arrived
 
   absl::Mutex write_mu_;  // one writer at a time on the stream
 
@@ -343,6 +424,8 @@ class Session {
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::deque<pb::Step> steps_ ABSL_GUARDED_BY(mu_);
   uint64_t steps_done_ ABSL_GUARDED_BY(mu_) = 0;
+  // Setup.group_generation; set before the step thread starts, then read-only.
+  uint64_t group_generation_ = 0;
   absl::Duration heartbeat_interval_ ABSL_GUARDED_BY(mu_) = absl::Seconds(1);
   comm::Communicator* comm_ ABSL_GUARDED_BY(mu_) = nullptr;  // the step thread's, while loaded
   absl::Status lost_peers_ ABSL_GUARDED_BY(mu_);
@@ -369,25 +452,72 @@ absl::Status RunRankClient(const RankClientOptions& options) {
   // Reconnect quickly after the coordinator restarts.
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-  std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
-      options.coordinator_address, grpc::InsecureChannelCredentials(), args);
+  EXL3_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                        ChannelCredentials(options, &args));
+  std::string authorization;
+  if (!options.token_file.empty()) {
+    EXL3_ASSIGN_OR_RETURN(std::string token, ReadFileFlag(options.token_file, "--rank-token-file"));
+    token = std::string(absl::StripAsciiWhitespace(token));
+    if (token.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "worker: --rank-token-file: ", options.token_file, " holds only whitespace"));
+    }
+    authorization = absl::StrCat("Bearer ", token);
+  }
+  const bool tls = !options.tls_ca_file.empty();
+  std::shared_ptr<grpc::Channel> channel =
+      grpc::CreateCustomChannel(options.coordinator_address, credentials, args);
   std::unique_ptr<pb::RankControl::Stub> stub = pb::RankControl::NewStub(channel);
   const std::string me = absl::StrCat("rank ", options.rank);
+  const char* tls_hint =
+      tls ? " (TLS: a closed socket usually means the coordinator refused this rank's client "
+            "certificate: --tls-cert must be signed by the coordinator's tls.rank_ca; a "
+            "certificate error means --tls-ca is not the CA of the coordinator's tls.rank_cert "
+            "or the name differs: --tls-server-name)"
+          : " (plaintext: does the coordinator's rank endpoint use TLS (tls.rank_cert)? "
+            "then give --tls-ca)";
+  int unanswered = 0;  // streams in a row the coordinator closed without a word
   while (true) {
     const absl::Time give_up = absl::Now() + options.connect_timeout;
     if (!channel->WaitForConnected(absl::ToChronoTime(give_up))) {
+      // One fail-fast call for the channel's last connection error (a TLS
+      // handshake failure says so there).
+      grpc::ClientContext probe;
+      probe.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(2)));
+      if (!authorization.empty()) probe.AddMetadata("authorization", authorization);
+      auto stream = stub->Connect(&probe);
+      stream->WritesDone();
+      const grpc::Status last = stream->Finish();
       return absl::UnavailableError(absl::StrCat(
           me, ": coordinator ", options.coordinator_address, " not reachable within ",
-          absl::FormatDuration(options.connect_timeout), " (--connect-timeout-ms)"));
+          absl::FormatDuration(options.connect_timeout), " (--connect-timeout-ms); last error: ",
+          last.error_message().empty() ? std::string("none") : last.error_message(), tls_hint));
     }
-    Session session(options, stub.get());
+    Session session(options, stub.get(), authorization);
     const SessionEnd end = session.Run();
+    absl::Duration pause = kRetryBackoff;
     switch (end.kind) {
       case EndKind::kShutdown:
         EXL3_LOG(kInfo) << me << ": the coordinator shut the group down: " << end.reason;
         if (!options.reconnect) return absl::OkStatus();
         break;
       case EndKind::kCoordinatorGone:
+        if (end.unanswered && !options.tls_cert_file.empty()) {
+          // Closed before Register got any answer while presenting a client
+          // certificate: most likely the coordinator's TLS refused it (with
+          // TLS 1.3 the client may finish its handshake before the server
+          // checks the certificate).
+          const std::string what = absl::StrCat(
+              me, ": the coordinator at ", options.coordinator_address,
+              " closed the stream before answering the registration: ", end.status.message(),
+              tls_hint);
+          if (!options.reconnect) return absl::UnavailableError(what);
+          ++unanswered;
+          EXL3_LOG(kWarning) << what << " (attempt " << unanswered << ")";
+          pause = std::min(kRetryBackoff * (1 << std::min(unanswered, 5)), absl::Seconds(5));
+          break;
+        }
+        unanswered = 0;
         EXL3_LOG(kWarning) << me << ": the coordinator went away (" << end.status << ")";
         if (!options.reconnect) return absl::OkStatus();
         break;
@@ -408,8 +538,9 @@ absl::Status RunRankClient(const RankClientOptions& options) {
         }
         break;
     }
+    if (end.kind != EndKind::kCoordinatorGone || !end.unanswered) unanswered = 0;
     EXL3_LOG(kInfo) << me << ": registering again with " << options.coordinator_address;
-    absl::SleepFor(kRetryBackoff);  // a retry pause, not synchronisation
+    absl::SleepFor(pause);  // a retry pause, not synchronisation
   }
 }
 

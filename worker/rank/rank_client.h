@@ -9,27 +9,38 @@
 //   options.rank = 1;  options.reconnect = true;
 //   return RunRankClient(options);
 //
+// Steps come only from the coordinator: the rank dials out and executes the
+// Steps that arrive on the stream it opened; it never listens for steps. With
+// TLS (tls_ca_file) that stream reaches only a server holding a certificate
+// of the configured CA, so nobody else can drive the rank.
+//
 // Endings: a Shutdown from the coordinator or the coordinator going away ends
 // the session (OK, with a log line); a broken group (the rank lost its peers)
 // ends it with the communicator's error. With `reconnect`, the rank instead
 // drops its model and communicator and registers again, so a group can
 // re-form after another rank restarts. A refused registration
 // (FAILED_PRECONDITION: protocol version or world size mismatch) always ends
-// the process with the coordinator's message; ALREADY_EXISTS (the slot is
-// still held) is retried when reconnecting.
+// the process with the coordinator's message, and so does UNAUTHENTICATED (no
+// or a wrong rank token); ALREADY_EXISTS (the slot is still held) is retried
+// when reconnecting. With a client certificate, a stream the coordinator
+// closes before answering anything (typically its TLS refused the
+// certificate) ends the process with UNAVAILABLE naming that, unless
+// reconnecting (then it is logged and retried with a growing pause).
 #ifndef EXL3SERVE_WORKER_RANK_RANK_CLIENT_H_
 #define EXL3SERVE_WORKER_RANK_RANK_CLIENT_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "sharding/spill_store.h"
 
 namespace exl3serve::worker::rank {
 
 // The rank protocol revision this binary speaks (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kRankProtocolVersion = 1;
+inline constexpr uint32_t kRankProtocolVersion = 2;
 
 class RankObserver;  // rank_executor.h
 
@@ -46,13 +57,31 @@ struct RankClientOptions {
   absl::Duration connect_timeout = absl::Seconds(60);
   // The version sent in Register; tests override it to check refusal.
   uint32_t protocol_version = kRankProtocolVersion;
+  // The channel's security (`worker --tls-ca ... --rank-token-file F`).
+  // tls_ca_file set = TLS: the coordinator's certificate must be signed by
+  // that CA and carry tls_server_name (default: the host of
+  // coordinator_address); tls_cert_file + tls_key_file: this rank's client
+  // certificate (mutual TLS); token_file: its content (whitespace trimmed) is
+  // sent as `authorization: Bearer <token>` on every stream. Plaintext when
+  // all are empty.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_server_name;
+  std::string token_file;
+  // Row tables this rank reads from its box's disk (`worker --spill-*`);
+  // when set it wins over the coordinator's Setup.spill (the cache dir and
+  // memory budget are the box's own). Unset: Setup.spill, else none.
+  std::optional<sharding::SpillPolicy> spill;
   // The rank's metrics (worker/metrics.h); borrowed, must outlive the call.
   RankObserver* observer = nullptr;
 };
 
 // Runs the rank until it is done; see the file comment for the endings.
-// Errors: Unavailable when the coordinator is not reachable within
-// connect_timeout; FailedPrecondition / InvalidArgument when the coordinator
+// Errors: InvalidArgument for unreadable TLS/token files (named);
+// Unavailable when the coordinator is not reachable within connect_timeout
+// (with the last connection error, e.g. a TLS handshake failure) or closed
+// the stream before answering; Unauthenticated for a refused rank token; FailedPrecondition / InvalidArgument when the coordinator
 // refused the registration (its message); the communicator's error when the
 // group broke and reconnect is off; the load error when loading failed and
 // reconnect is off.

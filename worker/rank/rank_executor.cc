@@ -1,5 +1,6 @@
 #include "worker/rank/rank_executor.h"
 
+#include <cmath>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -19,7 +20,24 @@ const char* ForwardPhaseName(ForwardPhase phase) {
   return "mixed";
 }
 
+absl::Status CheckCapacities(const std::vector<double>& capacities, int world_size) {
+  if (capacities.empty()) return absl::OkStatus();
+  if (static_cast<int>(capacities.size()) != world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("capacities: ", capacities.size(),
+                                                   " values for ", world_size,
+                                                   " ranks (give one per rank)"));
+  }
+  for (size_t r = 0; r < capacities.size(); ++r) {
+    if (!(capacities[r] > 0.0) || !std::isfinite(capacities[r])) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "capacities: rank ", r, "'s value ", capacities[r], " is not a finite number > 0"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
+  EXL3_RETURN_IF_ERROR(CheckCapacities(setup.capacities, setup.world_size));
   LoadedRank loaded;
   loaded.rank = setup.rank;
   loaded.observer = setup.observer;
@@ -35,16 +53,21 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
   }
   sharding::ShardOptions shard_options;
   shard_options.expert_parallel = setup.expert_parallel;
+  sharding::WorldSpec world = sharding::WorldSpec::Uniform(setup.world_size);
+  for (size_t r = 0; r < setup.capacities.size(); ++r) {
+    world.ranks[r].capacity = setup.capacities[r];
+  }
   EXL3_ASSIGN_OR_RETURN(sharding::ShardPlan plan,
-                        sharding::PlanShards(*checkpoint->arch(),
-                                             sharding::WorldSpec::Uniform(setup.world_size),
-                                             shard_options, checkpoint.get()));
+                        sharding::PlanShards(*checkpoint->arch(), world, shard_options,
+                                             checkpoint.get()));
   TensorParallelism tp;
   tp.shard = plan.ranks[setup.rank];
   tp.comm = loaded.comm.get();
   tp.collective_timeout = setup.collective_timeout;
   loaded.planned_bytes = tp.shard.weight_bytes;
-  EXL3_ASSIGN_OR_RETURN(loaded.model, Transformer::LoadShard(setup.model_dir, tp));
+  TransformerLoadOptions load_options;
+  load_options.spill = setup.spill;
+  EXL3_ASSIGN_OR_RETURN(loaded.model, Transformer::LoadShard(setup.model_dir, tp, load_options));
   loaded.bytes_read = loaded.model->bytes_read();
   EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, loaded.model->CreateKvCache(setup.kv));
   loaded.cache.emplace(std::move(cache));
@@ -62,6 +85,16 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
     case RankCommand::Op::kForward: {
       if (command.batch_seq_ids.size() != command.batch_tokens.size()) {
         return absl::InvalidArgumentError("forward: sequence ids and token lists differ in count");
+      }
+      if (!command.batch_new_pages.empty() &&
+          command.batch_new_pages.size() != command.batch_seq_ids.size()) {
+        return absl::InvalidArgumentError(
+            "forward: sequence ids and assigned page lists differ in count");
+      }
+      for (size_t i = 0; i < command.batch_new_pages.size(); ++i) {
+        if (command.batch_new_pages[i].empty()) continue;
+        EXL3_RETURN_IF_ERROR(
+            rank.cache->AssignPages(command.batch_seq_ids[i], command.batch_new_pages[i]));
       }
       std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
       for (size_t i = 0; i < batch.size(); ++i) {
@@ -82,6 +115,7 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                    : single == 0 ? ForwardPhase::kPrefill
                                                  : ForwardPhase::kMixed;
         rank.observer->OnForward(phase, tokens, absl::Now() - start, status);
+        rank.observer->OnModelCounters(*rank.model);
       }
       return status;
     }

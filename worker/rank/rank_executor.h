@@ -38,6 +38,11 @@ class RankObserver : public comm::CollectiveObserver {
   // One forward of `tokens` new tokens that took `elapsed` (collectives included).
   virtual void OnForward(ForwardPhase phase, int64_t tokens, absl::Duration elapsed,
                          const absl::Status& status) = 0;
+  // After every forward (after OnForward): the model's cumulative counters
+  // (Transformer::spill_stats, expert_tokens) are readable. `model` is
+  // borrowed for the call only; a reloaded rank passes a new model whose
+  // counters start again at zero. Default: ignored.
+  virtual void OnModelCounters(const Transformer& model) {}
 };
 
 // Everything a rank needs to join its group and load.
@@ -50,9 +55,22 @@ struct RankSetup {
   KvCacheOptions kv;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
+  // Which row-lookup tables (the token embedding) this rank reads from disk
+  // (TransformerLoadOptions::spill; decided per rank by the planner's
+  // numbers, sharding::PlanRowTables). Default: none.
+  sharding::SpillPolicy spill;
+  // Relative share of the work per rank (sharding::WorldSpec::Rank::capacity,
+  // e.g. free memory): a rank with less gets proportionally fewer heads,
+  // channels, experts and vocab rows. Empty = all equal; else world_size
+  // finite values > 0 (CheckCapacities), the same on every rank.
+  std::vector<double> capacities;
   // Borrowed, must outlive the LoadedRank; null = no observation.
   RankObserver* observer = nullptr;
 };
+
+// OK when `capacities` is empty or holds world_size finite values > 0;
+// otherwise InvalidArgument saying which value or how many were given.
+absl::Status CheckCapacities(const std::vector<double>& capacities, int world_size);
 
 // A rank that has joined its group and loaded its shard.
 // Ownership: owns its communicator, model and cache. Thread safety: confined
@@ -71,7 +89,8 @@ struct LoadedRank {
 // rank's slices and creates the KV cache, then waits at a barrier until every
 // rank has loaded (a rank that fails to load fails the others' barrier instead
 // of leaving them waiting at the first step).
-// Errors: those of the communicator, the checkpoint and the planner;
+// Errors: InvalidArgument for bad capacities (before joining); those of the
+// communicator, the checkpoint and the planner;
 // Unimplemented for an architecture without tensor parallelism.
 absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup);
 
@@ -82,12 +101,22 @@ struct RankCommand {
   int64_t seq_id = 0;                  // kAddSequence, kRemoveSequence
   std::vector<int64_t> batch_seq_ids;  // kForward: the batch, in order
   std::vector<std::vector<int32_t>> batch_tokens;
+  // kForward: per batch entry, the KV pages the coordinator assigned to the
+  // sequence since its last forward (appended to its page table first).
+  // Empty, or one list per entry.
+  std::vector<std::vector<int32_t>> batch_new_pages;
   LogitsRows rows = LogitsRows::kLastToken;
 };
 
-// Executes `command` on `rank`. For kForward, *logits gets the logits (every
-// rank computes them). Errors: the cache's (AlreadyExists, NotFound) and the
-// forward's (a collective failure when peers are lost).
+// Executes `command` on `rank`. For kForward, the new pages are assigned
+// (PagedKvCache::AssignPages) before the forward — with
+// KvCacheOptions::caller_assigns_pages, the rank's only source of pages — and
+// *logits gets the logits (every rank computes them). Errors: the cache's
+// (AlreadyExists, NotFound; for pages InvalidArgument / FailedPrecondition
+// naming the page, FailedPrecondition for a forward beyond the assigned
+// pages), InvalidArgument for mismatched list counts, and the forward's (a
+// collective failure when peers are lost). Validation errors happen before
+// any collective, identically on every rank.
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                 std::vector<float>* logits);
 

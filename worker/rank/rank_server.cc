@@ -44,9 +44,11 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       command.op = RankCommand::Op::kForward;
       command.batch_seq_ids.resize(n);
       command.batch_tokens.resize(n);
+      command.batch_new_pages.resize(n);
       for (uint32_t i = 0; i < n && in.ok(); ++i) {
         command.batch_seq_ids[i] = in.I64();
         command.batch_tokens[i] = in.I32s();
+        command.batch_new_pages[i] = in.I32s();
       }
       EXL3_RETURN_IF_ERROR(in.Finish("forward"));
       if (rows > 1) return absl::InvalidArgumentError("forward: unknown logits rows mode");
@@ -78,6 +80,8 @@ absl::Status RunRankServer(const RankServerOptions& options) {
   setup.kv = options.kv;
   setup.join_timeout = options.join_timeout;
   setup.collective_timeout = options.collective_timeout;
+  setup.spill = options.spill;
+  setup.capacities = options.capacities;
   setup.observer = options.observer;
   absl::StatusOr<LoadedRank> loaded = LoadRank(setup);
   {
@@ -87,6 +91,8 @@ absl::Status RunRankServer(const RankServerOptions& options) {
     hello.I64(loaded.ok() ? loaded->model->vocab_size() : 0);
     hello.U64(loaded.ok() ? loaded->bytes_read : 0);
     hello.U64(loaded.ok() ? loaded->planned_bytes : 0);
+    hello.I64(loaded.ok() ? loaded->cache->options().num_pages : 0);
+    hello.U32(loaded.ok() ? loaded->cache->options().page_size_tokens : 0);
     EXL3_RETURN_IF_ERROR(WriteFrame(options.control_fd, hello.data(), absl::Now() + kReplyTimeout));
   }
   if (!loaded.ok()) return loaded.status();

@@ -20,6 +20,7 @@
 #define EXL3SERVE_WORKER_RANK_RANK_SERVER_H_
 
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -40,6 +41,10 @@ struct RankServerOptions {
   KvCacheOptions kv;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
+  // Row tables read from disk (RankSetup::spill).
+  sharding::SpillPolicy spill;
+  // Per-rank capacities (RankSetup::capacities); empty = uniform.
+  std::vector<double> capacities;
   // The rank's metrics; borrowed, must outlive the call. Null = none.
   RankObserver* observer = nullptr;
 };
