@@ -1,5 +1,11 @@
 #include "common/metrics.h"
 
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -10,6 +16,30 @@
 #include "prometheus/collectable.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+
+// The /metrics server's threads need more stack than civetweb gives them.
+// Debian's libcivetweb (under prometheus-cpp's Exposer) creates its worker
+// threads with pthread_attr_setstacksize(USE_STACK_SIZE = 100 KiB), and glibc
+// carves the process's static TLS out of that size; in a CUDA build NCCL and
+// the CUDA runtime alone hold ~16 KiB of static TLS, and a scrape then ran
+// the worker off its stack (SIGSEGV 106 KiB below the thread pointer, found
+// by tests/cli/metrics_test.sh). civetweb has no runtime option for it, so
+// this process-wide definition (exported from the executable by
+// exl3_metrics' link option, so it interposes libc's for every library)
+// raises any explicit request below kThreadStackFloorBytes to that floor and
+// passes everything else through unchanged. It only ever grows a stack
+// (virtual memory; pages are touched on use).
+namespace {
+constexpr size_t kThreadStackFloorBytes = size_t{1} << 20;
+}  // namespace
+
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t stack_size) noexcept {
+  using SetStackSize = int (*)(pthread_attr_t*, size_t);
+  static const SetStackSize libc_set_stack_size =
+      reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  if (libc_set_stack_size == nullptr) return ENOSYS;
+  return libc_set_stack_size(attr, std::max(stack_size, kThreadStackFloorBytes));
+}
 
 namespace exl3serve {
 namespace {
