@@ -15,6 +15,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -98,6 +99,13 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentials(
   if (!options.tls_server_name.empty()) args->SetSslTargetNameOverride(options.tls_server_name);
   return grpc::SslCredentials(ssl);
 }
+
+// The reason a rank gives its peers when its session ends in order
+// (Shutdown, a lost coordinator, a lost peer of its own).
+constexpr char kLeavingGroup[] = "the rank is leaving its group";
+// How long a rank whose peer left in order waits for the coordinator's own
+// Shutdown before it reports the peer as lost.
+constexpr absl::Duration kOrderlyLeaveGrace = absl::Seconds(2);
 
 // One stream to the coordinator, from Register to its end.
 // Threads: the calling thread reads the stream; a heartbeat thread and a
@@ -187,7 +195,7 @@ class Session {
   void Stop(bool cancel_stream = true) {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
-    if (comm_ != nullptr) comm_->Abort(absl::AbortedError("the rank is leaving its group"));
+    if (comm_ != nullptr) comm_->Abort(absl::AbortedError(kLeavingGroup));
     if (cancel_stream) context_.TryCancel();
   }
 
@@ -287,7 +295,7 @@ class Session {
       absl::MutexLock lock(&mu_);
       if (loaded.ok()) {
         comm_ = loaded->comm.get();
-        if (stopping_) comm_->Abort(absl::AbortedError("the rank is leaving its group"));
+        if (stopping_) comm_->Abort(absl::AbortedError(kLeavingGroup));
       } else {
         load_error_ = loaded.status();
       }
@@ -398,6 +406,14 @@ class Session {
         bool stopping;
         {
           absl::MutexLock lock(&mu_);
+          if (absl::StrContains(health.message(), kLeavingGroup)) {
+            // A peer left in order: most often the coordinator shut the group
+            // down and that peer read its Shutdown before this rank's reader
+            // did. Give the coordinator's word a bounded time to arrive
+            // before calling it a loss (a timed wait on the stop flag).
+            mu_.AwaitWithDeadline(absl::Condition(&stopping_),
+                                  absl::Now() + kOrderlyLeaveGrace);
+          }
           stopping = stopping_;
           if (!stopping) lost_peers_ = health;
         }
