@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "sharding/converter.h"
+#include "sharding/quant/tile_quantizer.h"
 #include "worker/model/calibration.h"
 
 namespace exl3serve::cli {
@@ -38,6 +39,12 @@ CommandRunner RegisterConvertCommand(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   app.add_flag("--resume", opt->resume, "continue an interrupted conversion in --out");
+  auto viterbi = std::make_shared<std::string>("auto");
+  app.add_option("--viterbi", *viterbi,
+                 "tile Viterbi path metric: auto (fp16 on CPUs with AVX-512 FP16, ~2x faster, "
+                 "quality within 0.3 %) | fp32 (the same states on every x86-64 CPU)")
+      ->check(CLI::IsMember({"auto", "fp32"}))
+      ->capture_default_str();
   struct Calibration {
     std::string file;
     int64_t tokens_per_sequence = 2048;
@@ -55,7 +62,9 @@ CommandRunner RegisterConvertCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_flag("--no-progress", [opt](int64_t) { opt->show_progress = false; },
                "no progress bar");
-  return [opt, codebook, out_scales, shard_mib, calib]() -> absl::Status {
+  return [opt, codebook, out_scales, shard_mib, calib, viterbi]() -> absl::Status {
+    sharding::quant::SetViterbiPrecision(*viterbi == "fp32" ? sharding::quant::ViterbiPrecision::kFp32
+                                                            : sharding::quant::ViterbiPrecision::kAuto);
     opt->max_shard_bytes = static_cast<uint64_t>(*shard_mib) << 20;
     std::unique_ptr<worker::CalibrationHessians> hessians;
     if (!calib->file.empty()) {

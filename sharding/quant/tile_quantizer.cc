@@ -519,6 +519,44 @@ QuantizeTilesFn QuantizeTilesFor(kernels::cpu::CpuIsa isa) {
   }
 }
 
+namespace {
+
+std::atomic<ViterbiPrecision> g_viterbi_precision{ViterbiPrecision::kAuto};
+
+// fp16 where every target of the call is within bounds, else the fp32
+// AVX-512 step (whole call: callers pass groups of kTileBatch tiles). K = 1
+// stays fp32: its 64 KiB fp16 rows make the fp16 pass memory bound, slower
+// than the fp32 step's decision masks (quant_speed_bench: 91 k vs 118 k/s).
+void QuantizeTilesFp16Checked(const float* targets, int count, int bits, Codebook codebook,
+                              TileWorkspace& workspace, uint16_t* states, float* decoded,
+                              double* sq_errors) {
+  EXL3_CHECK(bits >= 1 && bits <= 8) << "bits=" << bits;
+  bool in_range = bits >= 2 && avx512fp16::MaxAbsCodebookValue(codebook) <= kFp16MaxAbsTarget;
+  for (int i = 0; in_range && i < count * kTileSize; ++i) {
+    in_range = std::fabs(targets[i]) <= kFp16MaxAbsTarget;  // false for NaN too
+  }
+  if (!in_range) {
+    avx512::QuantizeTiles(targets, count, bits, codebook, workspace, states, decoded, sq_errors);
+    return;
+  }
+  avx512fp16::QuantizeTilesUnchecked(targets, count, bits, codebook, workspace, states, decoded,
+                                     sq_errors);
+}
+
+}  // namespace
+
+QuantizeTilesFn QuantizeTilesFp16() {
+  if (!kernels::cpu::CpuSupportsIsa(kernels::cpu::CpuIsa::kAvx512) ||
+      !kernels::cpu::GetCpuFeatures().avx512fp16 ||
+      kernels::cpu::ActiveCpuIsa() != kernels::cpu::CpuIsa::kAvx512) {
+    return nullptr;
+  }
+  return &QuantizeTilesFp16Checked;
+}
+
+void SetViterbiPrecision(ViterbiPrecision precision) { g_viterbi_precision.store(precision); }
+ViterbiPrecision GetViterbiPrecision() { return g_viterbi_precision.load(); }
+
 QuantizeTileFn QuantizeTileFor(kernels::cpu::CpuIsa isa) {
   if (!kernels::cpu::CpuSupportsIsa(isa)) return nullptr;
   switch (isa) {
@@ -539,6 +577,13 @@ double QuantizeTile(const float target[kTileSize], int bits, Codebook codebook,
   static std::atomic<QuantizeTileFn> chosen{nullptr};
   static std::atomic<uint64_t> chosen_generation{0};
   const uint64_t generation = kernels::cpu::CpuIsaOverrideGeneration();
+  if (GetViterbiPrecision() == ViterbiPrecision::kAuto) {
+    if (QuantizeTilesFn fast = QuantizeTilesFp16()) {
+      double sq = 0.0;
+      fast(target, 1, bits, codebook, workspace, states, decoded, &sq);
+      return sq;
+    }
+  }
   QuantizeTileFn fn = chosen.load(std::memory_order_acquire);
   if (fn == nullptr || chosen_generation.load(std::memory_order_acquire) != generation) {
     fn = QuantizeTileFor(kernels::cpu::ActiveCpuIsa());
@@ -558,6 +603,18 @@ void QuantizeTiles(const float* targets, int count, int bits, Codebook codebook,
   static std::atomic<QuantizeTilesFn> chosen{nullptr};
   static std::atomic<uint64_t> chosen_generation{0};
   const uint64_t generation = kernels::cpu::CpuIsaOverrideGeneration();
+  if (GetViterbiPrecision() == ViterbiPrecision::kAuto) {
+    static std::atomic<QuantizeTilesFn> fp16{nullptr};
+    static std::atomic<uint64_t> fp16_generation{~uint64_t{0}};
+    QuantizeTilesFn fast = fp16.load(std::memory_order_acquire);
+    if (fp16_generation.load(std::memory_order_acquire) != generation) {
+      fast = QuantizeTilesFp16();
+      fp16.store(fast, std::memory_order_release);
+      fp16_generation.store(generation, std::memory_order_release);
+    }
+    if (fast != nullptr) return fast(targets, count, bits, codebook, workspace, states, decoded,
+                                     sq_errors);
+  }
   QuantizeTilesFn fn = chosen.load(std::memory_order_acquire);
   if (fn == nullptr || chosen_generation.load(std::memory_order_acquire) != generation) {
     fn = QuantizeTilesFor(kernels::cpu::ActiveCpuIsa());

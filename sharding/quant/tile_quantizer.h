@@ -34,7 +34,9 @@
 // Variants: scalar::QuantizeTile/QuantizeTiles (reference, any CPU), avx2::,
 // avx512:: (only call them if kernels::cpu::CpuSupportsIsa says so) and the
 // dispatchers QuantizeTile/QuantizeTiles, which follow
-// kernels::cpu::ActiveCpuIsa().
+// kernels::cpu::ActiveCpuIsa() and GetViterbiPrecision(): on a CPU with
+// AVX-512 FP16 they use the fp16 path metric (QuantizeTilesFp16, below) unless
+// the precision is set to kFp32.
 //
 // Thread safety: all functions are thread-safe as long as each thread uses its
 // own TileWorkspace. Requires: 1 <= bits <= 8, all targets finite.
@@ -114,6 +116,14 @@ void QuantizeTiles(const float* targets, int count, int bits, Codebook codebook,
                    TileWorkspace& workspace, uint16_t* states, float* decoded,
                    double* sq_errors);
 }  // namespace avx2
+namespace avx512fp16 {
+// No CPU or bound check: use QuantizeTilesFp16(). Defined in the FP16 file.
+void QuantizeTilesUnchecked(const float* targets, int count, int bits, Codebook codebook,
+                            TileWorkspace& workspace, uint16_t* states, float* decoded,
+                            double* sq_errors);
+// Largest |value| of the codebook (the fp16 overflow bound uses it).
+float MaxAbsCodebookValue(Codebook codebook);
+}  // namespace avx512fp16
 namespace avx512 {
 double QuantizeTile(const float target[kTileSize], int bits, Codebook codebook,
                     TileWorkspace& workspace, uint16_t states[kTileSize],
@@ -131,6 +141,25 @@ using QuantizeTilesFn = void (*)(const float*, int, int, Codebook, TileWorkspace
 // The variant for `isa`; nullptr if the machine cannot run it.
 QuantizeTileFn QuantizeTileFor(kernels::cpu::CpuIsa isa);
 QuantizeTilesFn QuantizeTilesFor(kernels::cpu::CpuIsa isa);
+
+// The AVX-512 FP16 variant (tile_quantizer_avx512fp16.cc): the same two-pass
+// tail-biting Viterbi with the path metric in fp16, 32 lanes per vector,
+// about twice as fast per core. Its states are NOT those of the fp32
+// variants (different roundings; quality is measured: quant_quality_bench,
+// tile_quantizer_test). Tiles holding a target with |v| > kFp16MaxAbsTarget
+// go through the fp32 AVX-512 step instead, and so does K = 1 (fp32 is faster
+// there). nullptr unless this CPU has
+// AVX-512 FP16 (and the active ISA is AVX-512).
+inline constexpr float kFp16MaxAbsTarget = 32.0f;
+QuantizeTilesFn QuantizeTilesFp16();
+
+// Which path metric the dispatched QuantizeTiles uses. kAuto: fp16 where
+// QuantizeTilesFp16() exists, else fp32. kFp32: always fp32, whose states are
+// identical on every ISA (scalar, AVX2, AVX-512), so a conversion is
+// reproducible on any x86-64 machine. Process-wide; default kAuto.
+enum class ViterbiPrecision { kAuto, kFp32 };
+void SetViterbiPrecision(ViterbiPrecision precision);
+ViterbiPrecision GetViterbiPrecision();
 
 // Reads tile (tk, tn) of a row-major matrix with `n` columns into trellis
 // sequence order: seq[j] = m[16·tk + r][16·tn + c] with 16r + c =

@@ -93,9 +93,12 @@ int main(int argc, char** argv) {
               tiles, scalar_tiles, batch, hw);
   std::printf("%-7s %2s %8s %14s %14s %9s %12s\n", "isa", "K", "threads", "weights/s",
               "per core", "vs 0.3M", "MSE*4^K");
-  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    const std::string name(exl3serve::kernels::cpu::CpuIsaName(isa));
-    q::QuantizeTilesFn fn = q::QuantizeTilesFor(isa);
+  // The fp32 variants per ISA, then the AVX-512 FP16 path metric.
+  for (int variant = 0; variant < 4; ++variant) {
+    const CpuIsa isa = variant == 3 ? CpuIsa::kAvx512 : static_cast<CpuIsa>(variant);
+    const std::string name =
+        variant == 3 ? std::string("fp16") : std::string(exl3serve::kernels::cpu::CpuIsaName(isa));
+    q::QuantizeTilesFn fn = variant == 3 ? q::QuantizeTilesFp16() : q::QuantizeTilesFor(isa);
     if (fn == nullptr) {
       std::printf("%-7s skipped: not supported by this CPU\n", name.c_str());
       continue;

@@ -329,6 +329,150 @@ TEST(TileQuantizerTest, GaussianQualityWithinBoundForEveryBitWidth) {
   }
 }
 
+// ---- The AVX-512 FP16 path metric (tile_quantizer_avx512fp16.cc) ----
+// Not state-identical to the fp32 variants by design; proven here by the
+// invariants, optimality checks and a bounded quality difference.
+
+QuantizeTilesFn Fp16OrSkip() { return QuantizeTilesFp16(); }
+
+// The fp16 kernel itself for every K (the checked entry sends K = 1 and
+// out-of-range targets to fp32; the targets here are in range).
+double Fp16Tile(QuantizeTilesFn /*checked*/, const float* target, int bits, Codebook cb,
+                TileWorkspace& ws, uint16_t* states, float* decoded) {
+  double sq = -1.0;
+  avx512fp16::QuantizeTilesUnchecked(target, 1, bits, cb, ws, states, decoded, &sq);
+  return sq;
+}
+
+TEST(TileQuantizerFp16Test, TailBitingDecodesToItsStatesAndBeatsGreedy) {
+  QuantizeTilesFn fp16 = Fp16OrSkip();
+  if (fp16 == nullptr) GTEST_SKIP() << "this CPU has no AVX-512 FP16";
+  TileWorkspace ws;
+  for (Codebook cb : kCodebooks) {
+    const float* values = CodebookValues(cb);
+    for (int bits = 1; bits <= 8; ++bits) {
+      const uint32_t seed = TestSeed() + 19 * bits;
+      std::mt19937 rng(seed);
+      float target[kTileSize];
+      GaussianTile(rng, kernels::GetCodebookTable(cb).rms, target);
+      uint16_t states[kTileSize];
+      float decoded[kTileSize];
+      std::fill(decoded, decoded + kTileSize, NAN);
+      const double err = Fp16Tile(fp16, target, bits, cb, ws, states, decoded);
+      EXPECT_TRUE(IsTailBiting(states, bits)) << CaseName(bits, cb, seed);
+      double sq = 0.0;
+      for (int i = 0; i < kTileSize; ++i) {
+        ASSERT_EQ(decoded[i], values[states[i]]) << CaseName(bits, cb, seed);
+        sq += (static_cast<double>(decoded[i]) - target[i]) * (static_cast<double>(decoded[i]) - target[i]);
+      }
+      EXPECT_EQ(err, sq) << CaseName(bits, cb, seed);
+      EXPECT_LE(err, GreedyTailBitingError(target, bits, values)) << CaseName(bits, cb, seed);
+    }
+  }
+}
+
+TEST(TileQuantizerFp16Test, RecoversAnExactlyRepresentableTileWithZeroError) {
+  QuantizeTilesFn fp16 = Fp16OrSkip();
+  if (fp16 == nullptr) GTEST_SKIP() << "this CPU has no AVX-512 FP16";
+  TileWorkspace ws;
+  for (Codebook cb : kCodebooks) {
+    const float* values = CodebookValues(cb);
+    for (int bits = 1; bits <= 8; ++bits) {
+      const uint32_t seed = TestSeed() + 73 * bits;
+      std::mt19937 rng(seed);
+      std::vector<uint32_t> symbols(kTileSize);
+      for (auto& c : symbols) c = rng() & ((1u << bits) - 1);
+      float target[kTileSize];
+      for (int i = 0; i < kTileSize; ++i) {
+        uint32_t s = 0;
+        for (int back = (16 + bits - 1) / bits - 1; back >= 0; --back) {
+          s = (s << bits) | symbols[(i - back + kTileSize) % kTileSize];
+        }
+        target[i] = values[s & 0xFFFF];
+      }
+      uint16_t states[kTileSize];
+      float decoded[kTileSize];
+      EXPECT_EQ(Fp16Tile(fp16, target, bits, cb, ws, states, decoded), 0.0) << CaseName(bits, cb, seed);
+      EXPECT_TRUE(IsTailBiting(states, bits)) << CaseName(bits, cb, seed);
+    }
+  }
+}
+
+// Same tiles through both path metrics: the fp16 total error stays within
+// 1 % of the fp32 one for every K and codebook (measured: <= 0.3 %,
+// quant_quality_bench), and within the absolute quality bounds.
+TEST(TileQuantizerFp16Test, QualityWithinOnePercentOfTheFp32PathMetric) {
+  QuantizeTilesFn fp16 = Fp16OrSkip();
+  if (fp16 == nullptr) GTEST_SKIP() << "this CPU has no AVX-512 FP16";
+  QuantizeTilesFn fp32 = QuantizeTilesFor(CpuIsa::kAvx512);
+  ASSERT_NE(fp32, nullptr);
+  constexpr int kTiles = 12;  // odd group sizes: 4 + 4 + 4 via the grouping
+  TileWorkspace ws;
+  for (Codebook cb : kCodebooks) {
+    const double rms = kernels::GetCodebookTable(cb).rms;
+    for (int bits = 1; bits <= 8; ++bits) {
+      const uint32_t seed = TestSeed() + 2000 * bits + static_cast<uint32_t>(cb);
+      std::mt19937 rng(seed);
+      std::vector<float> targets(kTiles * kTileSize);
+      for (int t = 0; t < kTiles; ++t) GaussianTile(rng, rms, targets.data() + t * kTileSize);
+      std::vector<uint16_t> states(targets.size());
+      std::vector<float> decoded(targets.size());
+      std::vector<double> e16(kTiles), e32(kTiles);
+      avx512fp16::QuantizeTilesUnchecked(targets.data(), kTiles, bits, cb, ws, states.data(),
+                                         decoded.data(), e16.data());
+      for (int t = 0; t < kTiles; ++t) {
+        EXPECT_TRUE(IsTailBiting(states.data() + t * kTileSize, bits)) << CaseName(bits, cb, seed);
+      }
+      fp32(targets.data(), kTiles, bits, cb, ws, states.data(), decoded.data(), e32.data());
+      double s16 = 0.0, s32 = 0.0;
+      for (int t = 0; t < kTiles; ++t) {
+        s16 += e16[t];
+        s32 += e32[t];
+      }
+      EXPECT_LE(s16, s32 * 1.01) << CaseName(bits, cb, seed);
+      const double q = s16 / (kTiles * kTileSize) / (rms * rms) * std::pow(4.0, bits);
+      EXPECT_LE(q, bits <= 5 ? kQualityBoundLowBits : kQualityBoundHighBits) << CaseName(bits, cb, seed);
+    }
+  }
+}
+
+// A target beyond kFp16MaxAbsTarget sends the call through the fp32 step:
+// the states are then exactly the fp32 AVX-512 ones.
+TEST(TileQuantizerFp16Test, OutOfRangeTargetsFallBackToTheFp32Step) {
+  QuantizeTilesFn fp16 = Fp16OrSkip();
+  if (fp16 == nullptr) GTEST_SKIP() << "this CPU has no AVX-512 FP16";
+  TileWorkspace ws;
+  std::mt19937 rng(TestSeed() + 9);
+  float target[kTileSize];
+  GaussianTile(rng, 1.0, target);
+  target[37] = 3.0f * kFp16MaxAbsTarget;
+  uint16_t a[kTileSize], b[kTileSize];
+  float d[kTileSize];
+  fp16(target, 1, 4, Codebook::kMul1, ws, a, d, nullptr);
+  avx512::QuantizeTiles(target, 1, 4, Codebook::kMul1, ws, b, d, nullptr);
+  EXPECT_TRUE(std::equal(a, a + kTileSize, b));
+}
+
+// kFp32 pins the dispatchers to the ISA-identical fp32 metric; kAuto uses fp16.
+TEST(TileQuantizerFp16Test, PrecisionSettingChoosesThePathMetric) {
+  QuantizeTilesFn fp16 = Fp16OrSkip();
+  if (fp16 == nullptr) GTEST_SKIP() << "this CPU has no AVX-512 FP16";
+  TileWorkspace ws;
+  std::mt19937 rng(TestSeed() + 11);
+  float target[kTileSize];
+  GaussianTile(rng, 1.0, target);
+  uint16_t a[kTileSize], b[kTileSize], c[kTileSize];
+  float d[kTileSize];
+  SetViterbiPrecision(ViterbiPrecision::kFp32);
+  QuantizeTiles(target, 1, 3, Codebook::kMcg, ws, a, d, nullptr);
+  scalar::QuantizeTile(target, 3, Codebook::kMcg, ws, b, d);
+  EXPECT_TRUE(std::equal(a, a + kTileSize, b));
+  SetViterbiPrecision(ViterbiPrecision::kAuto);
+  QuantizeTile(target, 3, Codebook::kMcg, ws, a, d);
+  fp16(target, 1, 3, Codebook::kMcg, ws, c, d, nullptr);
+  EXPECT_TRUE(std::equal(a, a + kTileSize, c));
+}
+
 TEST(TileQuantizerTest, DispatcherFollowsTheIsaOverride) {
   ASSERT_TRUE(kernels::cpu::SetCpuIsaOverride(CpuIsa::kScalar).ok());
   TileWorkspace ws;
