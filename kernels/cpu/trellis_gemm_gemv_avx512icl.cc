@@ -60,10 +60,12 @@ using internal::TrellisGemmProblem;
 
 constexpr int kSlices = 8;          // 8 vectors of 32 positions per tile
 constexpr int kTilesPerBlock = 8;   // 128 columns
-// Rows of tiles prefetched ahead of the walk (1 KB each at K = 4). 1..12
-// measured within noise of each other (load 4-5); DRAM-bound runs reach
-// ~500 us per 4096^2 call at K = 2 either way.
-constexpr int kPrefetchRows = 4;
+// Rows of tiles prefetched ahead of the walk (1 KB each at K = 4). Measured
+// 2026-11-30 on a quiet box, batch 1, 2 threads, K = 4 int8, median of 3:
+// 1 row 23.3, 2 rows 25.7, 3 rows 25.0, 4 rows 20.6-21.5, 8 rows 18.7-19.0
+// G weights/s (deeper prefetch evicts the rows being decoded); K = 2, 3 are
+// within noise for 2..4 rows.
+constexpr int kPrefetchRows = 2;
 
 // Word w of slice s holds tile element (Row, Column):
 //   kInt8:  dword lane j = words 2j, 2j+1 = rows 2s, 2s+1 of column j
