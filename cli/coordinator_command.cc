@@ -56,6 +56,9 @@
 //                                      # GPU ranks; `launch` passes them as worker
 //                                      # --nccl-* flags (boxes[].nccl overrides per box)
 //   kv: {bits: 16, num_pages: 256, page_size_tokens: 16}
+//   precision: {prefill: fp32, decode: fp32}   # EXL3 linears on every rank: prefill
+//                                      # fp32|bf16, decode fp32|int8 (int8: mul1 linears;
+//                                      # a rank's own worker --*-precision flag wins)
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
 //            default_max_tokens: 256, max_context: 0}
 //   timeouts: {join_ms: 60000, collective_ms: 60000, load_ms: 300000, step_ms: 60000,
@@ -175,7 +178,7 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
                                   "listen_address", "api_address", "shutdown_grace_ms",
                                   "threads_per_rank", "comm", "kv", "engine", "timeouts", "tls",
                                   "auth_token_file", "insecure_listen_any", "rank_token_file",
-                                  "insecure_rank_listen_any", "capacities",
+                                  "insecure_rank_listen_any", "capacities", "precision",
                                   "boxes"}));  // boxes: `exl3serve launch` (cli/launch_command.cc)
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
@@ -235,6 +238,30 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
     o.kv.dtype = *dtype;
     EXL3_RETURN_IF_ERROR(Read(kv, "kv", "num_pages", &o.kv.num_pages));
     EXL3_RETURN_IF_ERROR(Read(kv, "kv", "page_size_tokens", &o.kv.page_size_tokens));
+  }
+  if (const YAML::Node p = root["precision"]; p.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(CheckKeys(p, "precision", {"prefill", "decode"}));
+    struct Field {
+      const char* key;
+      kernels::TrellisGemmPrecision* value;
+      const char* allowed;
+    };
+    for (const Field& f : {Field{"prefill", &o.prefill_precision, "fp32 or bf16"},
+                           Field{"decode", &o.decode_precision, "fp32 or int8"}}) {
+      std::string name = "fp32";
+      EXL3_RETURN_IF_ERROR(Read(p, "precision", f.key, &name));
+      if (name == "fp32") {
+        *f.value = kernels::TrellisGemmPrecision::kFloat;
+      } else if (name == "bf16" && std::string(f.key) == "prefill") {
+        *f.value = kernels::TrellisGemmPrecision::kBf16;
+      } else if (name == "int8" && std::string(f.key) == "decode") {
+        *f.value = kernels::TrellisGemmPrecision::kInt8;
+      } else {
+        return absl::InvalidArgumentError(absl::StrCat("config key `precision.", f.key,
+                                                       "` must be ", f.allowed, ", got \"",
+                                                       name, "\""));
+      }
+    }
   }
   if (const YAML::Node t = root["timeouts"]; t.IsDefined()) {
     EXL3_RETURN_IF_ERROR(CheckKeys(t, "timeouts",
@@ -340,7 +367,9 @@ std::vector<v1::RankInfo> RankInfos(const coordinator::RemoteRankGroup& group) {
     info.set_up(slot.up);  // registered, its stream open
     info.set_address(slot.up && !slot.loaded ? absl::StrCat(slot.address, " (loading)")
                                              : slot.address);
-    if (slot.up) info.set_last_heartbeat_age_seconds(absl::ToDoubleSeconds(slot.last_heartbeat_age));
+    info.set_last_heartbeat_age_seconds(slot.up ? absl::ToDoubleSeconds(slot.last_heartbeat_age)
+                                                : 0.0);
+    info.set_checkpoint_read_bytes(slot.loaded ? slot.bytes_read : 0);
   }
   return ranks;
 }

@@ -15,6 +15,7 @@
 #include "absl/strings/str_split.h"
 #include "cli/commands.h"
 #include "cli/capacity_flags.h"
+#include "cli/precision_flags.h"
 #include "cli/spill_flags.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -65,7 +66,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     std::vector<std::string> rank_wrappers;
     int64_t step_timeout_ms = 60'000;
     SpillFlags spill;
-    std::string prefill_precision = "fp32";
+    PrecisionFlags precision;
     std::string capacities;
   };
   auto args = std::make_shared<Args>();
@@ -112,11 +113,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
   app.add_option("--rank-wrapper", args->rank_wrappers,
                  "per rank (repeat in rank order): a command that starts the rank, e.g. "
                  "\"ip netns exec box-a\"");
-  app.add_option("--prefill-precision", args->prefill_precision,
-                 "EXL3 linears with > 16 rows (prefill): fp32 (exact) or bf16 (AMX/AVX512-BF16; "
-                 "single rank only)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
-      ->capture_default_str();
+  AddPrecisionFlags(app, &args->precision);
   app.add_option("--step-timeout-ms", args->step_timeout_ms,
                  "with --tp: a step (and each collective) must finish within this")
       ->capture_default_str();
@@ -130,12 +127,8 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
     const int ranks = args->tp > 1 ? args->tp : (args->ep > 1 ? args->ep : 1);
     EXL3_ASSIGN_OR_RETURN(const std::vector<double> capacities,
                           ParseCapacitiesFlag(args->capacities, ranks));
-    if (args->prefill_precision == "bf16") {
-      if (ranks > 1) {
-        return absl::InvalidArgumentError("--prefill-precision bf16 needs a single rank (no --tp/--ep)");
-      }
-      EXL3_RETURN_IF_ERROR(worker::SetPrefillPrecision(kernels::TrellisGemmPrecision::kBf16));
-    }
+    // One rank: this process runs the model; else every rank gets the flags.
+    if (ranks == 1) EXL3_RETURN_IF_ERROR(args->precision.Apply());
     // The config's EOS ids (read cheaply: the driver does not load weights
     // when ranks do).
     std::vector<int32_t> eos_ids;
@@ -202,6 +195,8 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
       group.step_timeout = absl::Milliseconds(args->step_timeout_ms);
       group.spill = args->spill.Policy();  // every rank applies it to its own shard
       group.capacities = capacities;
+      group.prefill_precision = args->precision.Prefill();
+      group.decode_precision = args->precision.Decode();
       EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> started,
                             worker::rank::LocalGroup::Start(group));
       for (int r = 0; r < ranks; ++r) {

@@ -13,6 +13,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "cli/capacity_flags.h"
 #include "cli/commands.h"
 #include "cli/spill_flags.h"
 #include "common/status_macros.h"
@@ -77,25 +78,6 @@ absl::Status ParseBoxes(const std::string& text, int ranks, sharding::WorldSpec&
   return absl::OkStatus();
 }
 
-absl::Status ParseCapacities(const std::string& text, sharding::WorldSpec& world) {
-  std::vector<double> values;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
-    double value = 0.0;
-    if (!absl::SimpleAtod(part, &value) || !(value > 0.0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--capacity: `", part, "` is not a number > 0 (e.g. --capacity 1,1,0.5)"));
-    }
-    values.push_back(value);
-  }
-  if (static_cast<int>(values.size()) != world.world_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("--capacity: ", values.size(),
-                                                   " values for ", world.world_size(),
-                                                   " ranks (give one per rank)"));
-  }
-  for (size_t r = 0; r < values.size(); ++r) world.ranks[r].capacity = values[r];
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 CommandRunner RegisterPlanCommand(CLI::App& app) {
@@ -128,7 +110,11 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
     }
     sharding::WorldSpec world = sharding::WorldSpec::Uniform(args->ranks);
     if (!args->boxes.empty()) EXL3_RETURN_IF_ERROR(ParseBoxes(args->boxes, args->ranks, world));
-    if (!args->capacity.empty()) EXL3_RETURN_IF_ERROR(ParseCapacities(args->capacity, world));
+    // The parser generate/serve/worker share (cli/capacity_flags.h); its
+    // errors name --capacities (--capacity is the same option).
+    EXL3_ASSIGN_OR_RETURN(const std::vector<double> capacities,
+                          ParseCapacitiesFlag(args->capacity, args->ranks));
+    for (size_t r = 0; r < capacities.size(); ++r) world.ranks[r].capacity = capacities[r];
     EXL3_ASSIGN_OR_RETURN(auto model, sharding::Exl3Model::Open(args->model));
     if (!model->arch()) {
       return absl::UnimplementedError(absl::StrCat(

@@ -32,6 +32,7 @@
 #include "absl/time/time.h"
 #include "cli/commands.h"
 #include "cli/capacity_flags.h"
+#include "cli/precision_flags.h"
 #include "cli/spill_flags.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
@@ -85,6 +86,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     std::string metrics_host = "127.0.0.1";
     SpillFlags spill;
     std::string capacities;
+    PrecisionFlags precision;
   };
   auto args = std::make_shared<Args>();
   args->server.port = 50051;
@@ -144,6 +146,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_option("--metrics-host", args->metrics_host, "address of the /metrics endpoints")
       ->capture_default_str();
   AddSpillFlags(app, &args->spill);
+  AddPrecisionFlags(app, &args->precision);
   return [args]() -> absl::Status {
     EXL3_RETURN_IF_ERROR(InstallStopSignals());
     EXL3_RETURN_IF_ERROR(coordinator::CheckListenPolicy(args->server));
@@ -152,6 +155,8 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     std::unique_ptr<coordinator::ServingMetrics> metrics;
     coordinator::EngineOptions engine_options = args->engine;
     engine_options.spill = args->spill.Policy();
+    engine_options.prefill_precision = args->precision.Prefill();
+    engine_options.decode_precision = args->precision.Decode();
     // As CreateLocalEngine: tp ranks, or ep ranks for expert parallelism alone.
     const int ranks = engine_options.tensor_parallel > 1 ? engine_options.tensor_parallel
                                                          : std::max(1, engine_options.expert_parallel);

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "cli/commands.h"
 #include "cli/capacity_flags.h"
+#include "cli/precision_flags.h"
 #include "cli/spill_flags.h"
 #include "common/logging.h"
 #include "common/metrics.h"
@@ -69,6 +70,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
     bool reconnect = false;
     int64_t connect_timeout_ms = 60'000;
     uint32_t protocol_version = worker::rank::kRankProtocolVersion;
+    int64_t kv_pages_for_testing = 0;
     int metrics_port = 0;
     std::string metrics_host = "127.0.0.1";
     worker::comm::LocalCommDefaults local_comm;
@@ -76,6 +78,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
     std::vector<std::string> nccl_env;
     SpillFlags spill;
     std::string capacities;
+    PrecisionFlags precision;
   };
   auto args = std::make_shared<Args>();
   worker::rank::RankServerOptions& o = args->options;
@@ -102,6 +105,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
                  "coordinator mode: how long to wait for the coordinator, per attempt")
       ->capture_default_str();
   app.add_option("--protocol-version-for-testing", args->protocol_version)->group("");
+  app.add_option("--kv-pages-for-testing", args->kv_pages_for_testing)->group("");
   app.add_option("--model", o.model_dir, "model directory (control-fd mode; informational "
                                          "with --coordinator)");
   app.add_option("--rank", o.rank, "this rank")->required();
@@ -152,6 +156,8 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
   // Row tables on this box's disk; with --coordinator they win over the
   // group's Setup.spill (cache dir and memory budget are this box's).
   AddSpillFlags(app, &args->spill);
+  // EXL3 linear arithmetic; with --coordinator a given flag wins over Setup's.
+  AddPrecisionFlags(app, &args->precision);
   return [args, rank_channel, &app]() -> absl::Status {
     // Box-local collective settings: every communicator of this process
     // fills what the group's settings leave unset from them.
@@ -188,6 +194,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
       client.reconnect = args->reconnect;
       client.connect_timeout = absl::Milliseconds(args->connect_timeout_ms);
       client.protocol_version = args->protocol_version;
+      client.kv_num_pages_for_testing = args->kv_pages_for_testing;
       client.observer = metrics.get();
       client.tls_ca_file = rank_channel->tls_ca_file;
       client.tls_cert_file = rank_channel->tls_cert_file;
@@ -195,6 +202,8 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
       client.tls_server_name = rank_channel->tls_server_name;
       client.token_file = rank_channel->token_file;
       if (args->spill.any()) client.spill = args->spill.Policy();
+      client.prefill_precision = args->precision.PrefillIfGiven();
+      client.decode_precision = args->precision.DecodeIfGiven();
       return worker::rank::RunRankClient(client);
     }
     if (args->options.control_fd < 0 || args->options.model_dir.empty()) {
@@ -207,6 +216,8 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
     options.join_timeout = absl::Milliseconds(args->join_timeout_ms);
     options.observer = metrics.get();
     options.spill = args->spill.Policy();
+    options.prefill_precision = args->precision.Prefill();
+    options.decode_precision = args->precision.Decode();
     EXL3_ASSIGN_OR_RETURN(options.capacities,
                           ParseCapacitiesFlag(args->capacities, options.world_size));
     return worker::rank::RunRankServer(options);

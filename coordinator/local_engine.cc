@@ -11,6 +11,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/model/linear.h"
 #include "worker/rank/local_group.h"
 
 namespace exl3serve::coordinator {
@@ -43,6 +44,20 @@ bool Contains(const std::vector<int32_t>& ids, int32_t id) {
 
 absl::Status Invalid(const std::string& field, const std::string& rule) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
+}
+
+// GetServerInfo's ranks of a local group (the fields a remote group fills,
+// less the heartbeat age: local ranks send none).
+std::vector<v1::RankInfo> LocalRankInfos(const worker::rank::LocalGroup& group) {
+  std::vector<v1::RankInfo> ranks;
+  for (const worker::rank::LocalRankStatus& status : group.rank_status()) {
+    v1::RankInfo& info = ranks.emplace_back();
+    info.set_rank(static_cast<uint32_t>(status.rank));
+    info.set_up(status.up);
+    info.set_address(status.address);
+    info.set_checkpoint_read_bytes(status.bytes_read);
+  }
+  return ranks;
 }
 
 }  // namespace
@@ -729,6 +744,8 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
   const int ranks = options.tensor_parallel > 1 ? options.tensor_parallel
                                                 : std::max(1, options.expert_parallel);
   if (ranks == 1) {
+    EXL3_RETURN_IF_ERROR(worker::SetPrefillPrecision(options.prefill_precision));
+    EXL3_RETURN_IF_ERROR(worker::SetDecodePrecision(options.decode_precision));
     worker::TransformerLoadOptions load_options;
     load_options.spill = options.spill;
     EXL3_ASSIGN_OR_RETURN(model.transformer,
@@ -753,7 +770,17 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
     group.metrics_host = options.rank_metrics_host;
     group.spill = options.spill;
     group.capacities = options.rank_capacities;
-    EXL3_ASSIGN_OR_RETURN(executor, worker::rank::LocalGroup::Start(group));
+    group.prefill_precision = options.prefill_precision;
+    group.decode_precision = options.decode_precision;
+    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> local,
+                          worker::rank::LocalGroup::Start(group));
+    // GetServerInfo lists the ranks as for a remote group; the engine owns
+    // the group, so it outlives every GetServerInfo call.
+    if (!options.rank_info) {
+      const worker::rank::LocalGroup* ranks_of = local.get();
+      options.rank_info = [ranks_of] { return LocalRankInfos(*ranks_of); };
+    }
+    executor = std::move(local);
   }
   return std::unique_ptr<Engine>(
       new LocalEngine(options, std::move(model), std::move(executor)));

@@ -58,6 +58,7 @@
 #include "coordinator/scheduler.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
+#include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/model_config.h"
@@ -96,6 +97,11 @@ struct EngineOptions {
   // Relative capacity per local rank (LocalGroupOptions::capacities); empty =
   // uniform, else one finite value > 0 per rank (InvalidArgument otherwise).
   std::vector<double> rank_capacities;
+  // Arithmetic of EXL3 linears (worker/model/linear.h): prefill kFloat|kBf16,
+  // decode kFloat|kInt8; set process-wide for one rank (InvalidArgument for
+  // other values), else passed to every local rank (LocalGroupOptions).
+  kernels::TrellisGemmPrecision prefill_precision = kernels::TrellisGemmPrecision::kFloat;
+  kernels::TrellisGemmPrecision decode_precision = kernels::TrellisGemmPrecision::kFloat;
   // When the rank group breaks (a rank died or hung), the engine waits this
   // long for it to re-form (StepExecutor::Recover: new local ranks, or
   // remote ranks re-registering) and then replays every in-flight request
@@ -111,7 +117,9 @@ struct EngineOptions {
   // When set, ready() and Submit also require executor_ready() (a remote
   // group can break while the engine is idle; e.g. RemoteRankGroup::ready),
   // and GetServerInfo lists rank_info(). Called from any thread, without the
-  // engine's lock held; must not call into the engine.
+  // engine's lock held; must not call into the engine. CreateLocalEngine
+  // fills rank_info for its local rank processes (tensor_parallel or
+  // expert_parallel > 1) when it is unset.
   std::function<bool()> executor_ready;
   std::function<std::vector<v1::RankInfo>()> rank_info;
 

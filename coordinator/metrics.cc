@@ -246,7 +246,9 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
   if (info.ranks_size() > 0) {
     for (const v1::RankInfo& rank : info.ranks()) {
       m.rank_up.Add(labels(rank.rank())).Set(rank.up() ? 1 : 0);
-      m.heartbeat_age.Add(labels(rank.rank())).Set(rank.last_heartbeat_age_seconds());
+      if (rank.has_last_heartbeat_age_seconds()) {  // ranks that heartbeat (remote ones)
+        m.heartbeat_age.Add(labels(rank.rank())).Set(rank.last_heartbeat_age_seconds());
+      }
     }
   } else {
     for (int r = 0; r < m.options.world_size; ++r) {

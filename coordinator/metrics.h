@@ -65,8 +65,9 @@ class CoordinatorMetrics final : public EngineObserver {
   ~CoordinatorMetrics() override;
 
   // Gauges and engine-kept totals from the engine's server info. Ranks come
-  // from info.ranks (remote groups); without them rank_up follows info.ready
-  // for ranks 0..world_size-1 (a local group is ready only with every rank).
+  // from info.ranks (remote and local groups; the heartbeat age only where
+  // set, i.e. remote ranks); without them rank_up follows info.ready for
+  // ranks 0..world_size-1.
   void Refresh(const v1::GetServerInfoResponse& info);
 
   // EngineObserver.

@@ -49,6 +49,18 @@ int KvBits(worker::KvCacheDtype dtype) {
   return 16;
 }
 
+pb::GemmPrecision ToProto(kernels::TrellisGemmPrecision precision) {
+  switch (precision) {
+    case kernels::TrellisGemmPrecision::kFloat:
+      return pb::GEMM_PRECISION_FP32;
+    case kernels::TrellisGemmPrecision::kBf16:
+      return pb::GEMM_PRECISION_BF16;
+    case kernels::TrellisGemmPrecision::kInt8:
+      return pb::GEMM_PRECISION_INT8;
+  }
+  return pb::GEMM_PRECISION_UNSPECIFIED;
+}
+
 absl::StatusOr<std::string> ReadPem(const std::string& path, const char* what) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat("cannot read ", what, " ", path));
@@ -453,14 +465,22 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
       }
       if (message.ready().kv_num_pages() != options_.kv.num_pages ||
           message.ready().kv_page_size_tokens() != options_.kv.page_size_tokens) {
-        // The block allocator mirrors every rank's cache page for page.
-        Teardown(absl::StrCat("FAILED_PRECONDITION: ", Describe(r), " made a KV cache of ",
-                              message.ready().kv_num_pages(), " pages of ",
-                              message.ready().kv_page_size_tokens(),
-                              " positions but the coordinator's block allocator has ",
-                              options_.kv.num_pages, " pages of ", options_.kv.page_size_tokens,
-                              " (same kv settings needed on both)"),
-                 out);
+        // The block allocator mirrors every rank's cache page for page, so
+        // this rank can never serve; registering again would only repeat it.
+        // Refuse it (its stream ends FAILED_PRECONDITION and the rank exits
+        // with this message, --reconnect or not) and tear the group down.
+        const std::string refusal = absl::StrCat(
+            "KV layout mismatch: ", Describe(r), " made a KV cache of ",
+            message.ready().kv_num_pages(), " pages of ", message.ready().kv_page_size_tokens(),
+            " positions but the coordinator's block allocator has ", options_.kv.num_pages,
+            " pages of ", options_.kv.page_size_tokens,
+            " (every rank must build its cache from the coordinator's Setup.kv: run the same "
+            "exl3serve release on the coordinator and every rank)");
+        EXL3_LOG(kWarning) << "refusing " << Describe(r) << ": " << refusal;
+        member->conn->RequestClose(grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, refusal));
+        out.Add(member->conn);
+        members_[r].reset();  // Teardown tells only the others to shut down
+        Teardown(absl::StrCat("FAILED_PRECONDITION: ", refusal), out);
         return;
       }
       member->loaded = true;
@@ -532,6 +552,8 @@ void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
   setup->set_world_size(options_.world_size);
   setup->set_expert_parallel(options_.expert_parallel);
   setup->mutable_capacities()->Add(options_.capacities.begin(), options_.capacities.end());
+  setup->set_prefill_precision(ToProto(options_.prefill_precision));
+  setup->set_decode_precision(ToProto(options_.decode_precision));
   pb::CommSettings* comm = setup->mutable_comm();
   comm->set_backend(options_.comm.backend);
   comm->set_shm_name(options_.comm.backend == "shm" && options_.comm.shm_name.empty()

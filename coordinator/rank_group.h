@@ -30,7 +30,11 @@
 //   kLoading  all world_size ranks registered: generation() increases and every
 //             rank gets Setup (a fresh shm segment name per generation); a rank
 //             whose Ready carries an error, or no Ready within load_timeout,
-//             tears the group down.
+//             tears the group down. A rank whose Ready reports another KV
+//             layout (page count or size) than options.kv is refused: its
+//             stream ends FAILED_PRECONDITION naming both layouts (the rank
+//             exits with it, even with --reconnect) and the group is torn
+//             down (status().last_error says why).
 //   kReady    every rank reported Ready. Steps run.
 // Teardown (any state, any cause: a rank's stream ended, its heartbeat is older
 // than heartbeat_timeout, a step passed step_timeout, a load failed): every
@@ -57,6 +61,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/model/kv_cache.h"
@@ -114,6 +119,12 @@ struct RankGroupOptions {
   // Relative capacity per rank (Setup.capacities); empty = uniform, else
   // world_size finite values > 0 (Start: InvalidArgument otherwise).
   std::vector<double> capacities;
+  // Arithmetic of every rank's EXL3 linears (Setup.prefill_precision /
+  // decode_precision; a rank started with its own `worker --*-precision`
+  // flag uses that): prefill kFloat|kBf16, decode kFloat|kInt8 (a rank
+  // refuses other values: its load fails).
+  kernels::TrellisGemmPrecision prefill_precision = kernels::TrellisGemmPrecision::kFloat;
+  kernels::TrellisGemmPrecision decode_precision = kernels::TrellisGemmPrecision::kFloat;
   // --- timeouts
   absl::Duration join_timeout = absl::Seconds(60);        // ranks joining the communicator
   absl::Duration collective_timeout = absl::Seconds(60);  // one collective on a rank

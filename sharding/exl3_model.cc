@@ -499,6 +499,46 @@ absl::StatusOr<std::vector<float>> Exl3Model::LoadTensorSliceAsFloat(std::string
   return out;
 }
 
+absl::StatusOr<std::vector<uint16_t>> Exl3Model::LoadTensorSlice16(std::string_view name_view,
+                                                                   int64_t dim0_begin,
+                                                                   int64_t dim0_end,
+                                                                   int64_t dim1_begin,
+                                                                   int64_t dim1_end) const {
+  const absl::string_view name(name_view.data(), name_view.size());
+  auto located = checkpoint_->Find(name_view);
+  if (!located) return absl::NotFoundError(absl::StrCat(dir_, ": no tensor `", name, "`"));
+  const TensorInfo& t = *located->info;
+  if (t.dtype != DType::kBF16 && t.dtype != DType::kF16) {
+    return absl::InvalidArgumentError(absl::StrCat(dir_, ": tensor `", name, "` is ",
+                                                   std::string(DTypeName(t.dtype)),
+                                                   ", expected F16 or BF16"));
+  }
+  if (t.shape.size() != 1 && t.shape.size() != 2) {
+    return absl::InvalidArgumentError(absl::StrCat(dir_, ": tensor `", name, "` has shape ",
+                                                   ShapeText(t.shape),
+                                                   "; slices need a 1-d or 2-d tensor"));
+  }
+  const int64_t rows = t.shape[0];
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  if (dim0_begin < 0 || dim0_end < dim0_begin || dim0_end > rows || dim1_begin < 0 ||
+      dim1_end < dim1_begin || dim1_end > cols) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        dir_, ": tensor `", name, "`: block [", dim0_begin, ", ", dim0_end, ") x [", dim1_begin,
+        ", ", dim1_end, ") is outside its shape ", ShapeText(t.shape)));
+  }
+  const int64_t width = dim1_end - dim1_begin;
+  std::vector<uint16_t> out(static_cast<size_t>((dim0_end - dim0_begin) * width));
+  const uint8_t* src = located->file->Data(t).data();
+  if (width > 0) {
+    for (int64_t r = dim0_begin; r < dim0_end; ++r) {
+      std::memcpy(out.data() + (r - dim0_begin) * width, src + (r * cols + dim1_begin) * 2,
+                  sizeof(uint16_t) * width);
+    }
+  }
+  bytes_read_.fetch_add(static_cast<uint64_t>(out.size()) * 2, std::memory_order_relaxed);
+  return out;
+}
+
 uint64_t Exl3Model::bytes_read() const { return bytes_read_.load(std::memory_order_relaxed); }
 
 }  // namespace exl3serve::sharding

@@ -145,6 +145,15 @@ class Exl3Model {
                                                             int64_t dim1_begin,
                                                             int64_t dim1_end) const;
 
+  // The same block of a BF16 or F16 tensor as its stored 16-bit patterns (no
+  // conversion; worker::Linear holds such weights in 16 bits).
+  // Errors: those of LoadTensorSliceAsFloat; InvalidArgument for a dtype
+  // other than F16/BF16.
+  absl::StatusOr<std::vector<uint16_t>> LoadTensorSlice16(std::string_view name,
+                                                          int64_t dim0_begin, int64_t dim0_end,
+                                                          int64_t dim1_begin,
+                                                          int64_t dim1_end) const;
+
   // Bytes copied out of the checkpoint by LoadLinear*, LoadTensor* since
   // Open (all threads), counted as stored (an F16 element is 2 bytes); the
   // header reads and marker checks of Open are not counted. The measure of

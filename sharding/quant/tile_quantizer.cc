@@ -524,14 +524,15 @@ namespace {
 std::atomic<ViterbiPrecision> g_viterbi_precision{ViterbiPrecision::kAuto};
 
 // fp16 where every target of the call is within bounds, else the fp32
-// AVX-512 step (whole call: callers pass groups of kTileBatch tiles). K = 1
-// stays fp32: its 64 KiB fp16 rows make the fp16 pass memory bound, slower
-// than the fp32 step's decision masks (quant_speed_bench: 91 k vs 118 k/s).
+// AVX-512 step (whole call: callers pass groups of kTileBatch tiles). Every
+// K uses fp16: with decision masks at K <= 3 it is faster than fp32 at K = 1
+// too (quant_speed_bench cpu/core: 213 k vs 106 k weights/s; the cost
+// model in tile_quantizer_avx512fp16.cc).
 void QuantizeTilesFp16Checked(const float* targets, int count, int bits, Codebook codebook,
                               TileWorkspace& workspace, uint16_t* states, float* decoded,
                               double* sq_errors) {
   EXL3_CHECK(bits >= 1 && bits <= 8) << "bits=" << bits;
-  bool in_range = bits >= 2 && avx512fp16::MaxAbsCodebookValue(codebook) <= kFp16MaxAbsTarget;
+  bool in_range = avx512fp16::MaxAbsCodebookValue(codebook) <= kFp16MaxAbsTarget;
   for (int i = 0; in_range && i < count * kTileSize; ++i) {
     in_range = std::fabs(targets[i]) <= kFp16MaxAbsTarget;  // false for NaN too
   }

@@ -121,6 +121,14 @@ namespace avx512fp16 {
 void QuantizeTilesUnchecked(const float* targets, int count, int bits, Codebook codebook,
                             TileWorkspace& workspace, uint16_t* states, float* decoded,
                             double* sq_errors);
+// The same search with every cost row kept for the traceback at every K (the
+// pre-decision-mask path; QuantizeTilesUnchecked records decision masks at
+// small K instead). Identical states (tested); kept as that test's reference
+// and for quant_speed_bench. Slow and large at small K: the workspace holds
+// 259 rows of 2^(17-K) bytes per tile of a group (17 MiB at K = 1).
+void QuantizeTilesKeepRowsUnchecked(const float* targets, int count, int bits,
+                                    Codebook codebook, TileWorkspace& workspace,
+                                    uint16_t* states, float* decoded, double* sq_errors);
 // Largest |value| of the codebook (the fp16 overflow bound uses it).
 float MaxAbsCodebookValue(Codebook codebook);
 }  // namespace avx512fp16
@@ -147,9 +155,10 @@ QuantizeTilesFn QuantizeTilesFor(kernels::cpu::CpuIsa isa);
 // about twice as fast per core. Its states are NOT those of the fp32
 // variants (different roundings; quality is measured: quant_quality_bench,
 // tile_quantizer_test). Tiles holding a target with |v| > kFp16MaxAbsTarget
-// go through the fp32 AVX-512 step instead, and so does K = 1 (fp32 is faster
-// there). nullptr unless this CPU has
-// AVX-512 FP16 (and the active ISA is AVX-512).
+// go through the fp32 AVX-512 step instead. K <= 3 record decision masks
+// instead of keeping cost rows (identical states), so every K is faster than
+// fp32. nullptr unless this CPU has AVX-512 FP16 (and the active ISA is
+// AVX-512).
 inline constexpr float kFp16MaxAbsTarget = 32.0f;
 QuantizeTilesFn QuantizeTilesFp16();
 

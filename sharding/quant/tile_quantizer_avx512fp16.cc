@@ -36,9 +36,32 @@
 //   l -> e0 + ((l mod D) << K | l div D) so the D values are one broadcast
 //   load of D consecutive halves (32/64/128/256 bits), and one vpermw per
 //   output vector restores natural order.
-//   History: every cost row is kept (fp16: 2^(17-K) bytes, 8 KiB at K = 4),
-//   and the traceback re-evaluates the 2^K candidates of the path's edge with
-//   the same two scalar roundings (vsubsh, vfmadd231sh).
+//   Candidate p = 0 needs no min (acc = c): 2.5 ops per candidate vector at
+//   K = 1, 2.75 at K = 2, 2.875 at K = 3.
+//   History, K >= 4: every cost row is kept (fp16: 2^(17-K) bytes, 8 KiB at
+//   K = 4), and the traceback re-evaluates the 2^K candidates of the path's
+//   edge with the same two scalar roundings (vsubsh, vfmadd231sh).
+//   History, K <= 3: rows would be 16..64 KiB per position (4..16 MiB per
+//   tile; the pass went memory bound: K = 1 ran at 90 k weights/s, below the
+//   fp32 step), so the step records decisions instead, as the fp32 AVX-512
+//   step does (tile_viterbi_step.h): per output vector and p = 1..P-1 the
+//   32-bit mask vcmpph(c < acc) (+1 op on p5 and a 4-byte kmovd store per
+//   candidate vector with p > 0), E·(P-1)/8 bytes per position (1 / 1.5 /
+//   1.75 MiB per tile at K = 1 / 2 / 3), two rolling rows and the start row;
+//   pass 1 records only the positions it traces back (>= W). The traceback
+//   decodes the winner as the largest p with its bit set (the first p among
+//   equal costs, as the re-evaluation) in lane (j mod 2^K)·D + (j >> K):
+//   identical states (tested against QuantizeTilesKeepRowsUnchecked).
+//   Measured (quant_speed_bench 64 2 4, rows "fp16rows" -> masks "fp16",
+//   cpu/core column, 1 thread, 2026-11-30, load ~10; docs/BENCHMARKS.md):
+//     K = 1   70 k -> 213 k   (fp32 AVX-512: 106 k)
+//     K = 2  162 k -> 286 k
+//     K = 3  306 k -> 319 k   (at load ~8, 64 tiles: 90/242/319 k ->
+//                              238/300/358 k for K = 1/2/3)
+//     K = 4  430 k -> 385 k   (a build with masks at K = 4, per-thread CPU
+//                              time, 64 tiles: slower, since 7.5 KiB of masks
+//                              per position save little against 8 KiB rows
+//                              and cost ~0.9 op per vector; K = 4 keeps rows)
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -58,6 +81,9 @@ constexpr int kBlock = kLanes * kU;  // edges per block
 constexpr int kMaxB = 8;             // tiles per forward step
 constexpr int kPad = 32;             // readable halves past a row's end
 constexpr int kPass1HalfWindow = 128;  // the whole tile, as the fp32 path
+// K <= 3 records decision masks, larger K keep every cost row (History in
+// the cost model above: measured, K = 4 is faster with rows).
+constexpr int kDecisionMaxBits = 3;
 
 struct Tables {
   uint16_t* natural = nullptr;          // cb as fp16 bits, natural state order
@@ -132,6 +158,11 @@ struct Step {
   _Float16 v[kMaxB];   // the position's target per tile
   _Float16 mu[kMaxB];  // in: the prev row's minimum; out: this row's
   const uint16_t* table;
+  // Optional (K <= kDecisionMaxBits; all null or all set): where to record
+  // this position's decisions. For output vector w (edges 32w..32w+31, lanes
+  // in the σ order) and p = 1..P-1, mask [w·(P-1) + p-1]: bit l set iff
+  // candidate p of lane l is strictly below candidates 0..p-1.
+  uint32_t* decisions[kMaxB];
 };
 
 template <int K>
@@ -157,7 +188,7 @@ inline __m512h LoadPrev(const uint16_t* p) {
   }
 }
 
-template <int K, int B>
+template <int K, int B, bool kRecord>
 void StepK(Step& a) {
   constexpr int kE = 1 << (16 - K);
   constexpr int kP = 1 << K;
@@ -179,9 +210,6 @@ void StepK(Step& a) {
   const __m512i to_natural = _mm512_load_si512(natural_index);
   for (int e0 = 0; e0 < kE; e0 += kBlock) {
     __m512h acc[B][kU];
-    for (int b = 0; b < B; ++b) {
-      for (int u = 0; u < kU; ++u) acc[b][u] = inf;
-    }
     for (int p = 0; p < kP; ++p) {
       const uint16_t* cbp = table;
       table += kBlock;
@@ -195,7 +223,18 @@ void StepK(Step& a) {
           const __m512h pv = LoadPrev<K>(prevp + ((e0 + kLanes * u) >> K));
           const __m512h t = _mm512_sub_ph(c1[u], vv[b]);
           const __m512h c = _mm512_fmadd_ph(t, t, pv);
-          acc[b][u] = _mm512_min_ph(acc[b][u], c);
+          if (p == 0) {
+            acc[b][u] = c;  // = min(inf, c): one op less per output vector
+          } else {
+            if constexpr (kRecord) {
+              // Strictly below all earlier p: the winner is the largest p
+              // with its bit set, i.e. the smallest p among equal costs.
+              _store_mask32(reinterpret_cast<__mmask32*>(a.decisions[b]) +
+                                ((e0 / kLanes) + u) * (kP - 1) + (p - 1),
+                            _mm512_cmp_ph_mask(c, acc[b][u], _CMP_LT_OQ));
+            }
+            acc[b][u] = _mm512_min_ph(acc[b][u], c);
+          }
         }
       }
     }
@@ -213,18 +252,26 @@ void StepK(Step& a) {
   for (int b = 0; b < B; ++b) a.mu[b] = _mm512_reduce_min_ph(row_min[b]);
 }
 
+template <int K, bool kRecord>
+void StepCountRecord(Step& a) {
+  switch (a.count) {
+    case 1: return StepK<K, 1, kRecord>(a);
+    case 2: return StepK<K, 2, kRecord>(a);
+    case 3: return StepK<K, 3, kRecord>(a);
+    case 4: return StepK<K, 4, kRecord>(a);
+    case 5: return StepK<K, 5, kRecord>(a);
+    case 6: return StepK<K, 6, kRecord>(a);
+    case 7: return StepK<K, 7, kRecord>(a);
+    default: return StepK<K, 8, kRecord>(a);
+  }
+}
+
 template <int K>
 void StepCount(Step& a) {
-  switch (a.count) {
-    case 1: return StepK<K, 1>(a);
-    case 2: return StepK<K, 2>(a);
-    case 3: return StepK<K, 3>(a);
-    case 4: return StepK<K, 4>(a);
-    case 5: return StepK<K, 5>(a);
-    case 6: return StepK<K, 6>(a);
-    case 7: return StepK<K, 7>(a);
-    default: return StepK<K, 8>(a);
+  if constexpr (K <= kDecisionMaxBits) {
+    if (a.decisions[0] != nullptr) return StepCountRecord<K, true>(a);
   }
+  return StepCountRecord<K, false>(a);
 }
 
 void RunStep(int bits, Step& a) {
@@ -266,30 +313,57 @@ int BestPredecessor(int bits, const uint16_t* prev, int edge, const uint16_t* cb
   return best_p;
 }
 
-// One pass of `count` tiles over t[b][0..255] from start rows start[b]
+// Winner p recorded for `edge` in one position's masks (layout: Step).
+int DecodedPredecessor(int bits, const uint32_t* masks, int edge) {
+  const int preds = 1 << bits;
+  const int j = edge & (kLanes - 1);
+  const int lane = (j & (preds - 1)) * (kLanes >> bits) + (j >> bits);
+  const uint32_t* m = masks + static_cast<size_t>(edge / kLanes) * (preds - 1);
+  for (int p = preds - 1; p >= 1; --p) {
+    if ((m[p - 1] >> lane) & 1u) return p;
+  }
+  return 0;
+}
+
+// Per-tile memory of one batch member (halves from `rows`).
+struct TileMem {
+  uint16_t* rows;        // row mode: rows 0..255 + two rolling; else two rolling
+  uint16_t* start;       // the start row
+  uint32_t* decisions;   // decision mode: 256 positions of dec_words; else null
+};
+
+// One pass of `count` tiles over t[b][0..255] from start rows mem[b].start
 // (row minimum 0). final_edge[b] < 0: end at the cheapest last edge
 // (smallest index on ties); else end at it. Writes states[b][stop..255].
-// Row i of tile b is rows[b] + i·stride for i >= stop - 1; earlier positions
-// roll through rows 256 and 257.
+// Row mode (decisions null): row i of tile b is rows + i·stride for
+// i >= stop - 1; earlier positions roll through rows 256 and 257; the
+// traceback re-evaluates candidates. Decision mode: rows roll through rows 0
+// and 1, positions i >= stop record their masks at decisions + i·dec_words
+// and the traceback decodes them.
 void RunPass(int bits, const Tables& tables, int count, const float* const* t,
-             uint16_t* const* start, const int* final_edge, int stop, uint16_t* const* rows,
-             size_t stride, uint16_t* const* states) {
+             const TileMem* mem, const int* final_edge, int stop, size_t stride,
+             size_t dec_words, uint16_t* const* states) {
   const int edges = 1 << (16 - bits);
   const int shift = 16 - bits;
+  const bool decide = mem[0].decisions != nullptr;
   auto row = [&](int b, int i) {
-    return i >= stop - 1 ? rows[b] + i * stride : rows[b] + (256 + (i & 1)) * stride;
+    if (decide) return mem[b].rows + (i & 1) * stride;
+    return i >= stop - 1 ? mem[b].rows + i * stride : mem[b].rows + (256 + (i & 1)) * stride;
   };
   Step a;
   a.count = count;
   a.table = tables.interleaved[bits - 1];
   for (int b = 0; b < count; ++b) {
-    a.prev[b] = start[b];
+    a.prev[b] = mem[b].start;
     a.mu[b] = HalfFromBits(0);
+    a.decisions[b] = nullptr;
   }
   for (int i = 0; i < kTileSize; ++i) {
     for (int b = 0; b < count; ++b) {
       a.out[b] = row(b, i);
       a.v[b] = static_cast<_Float16>(t[b][i]);
+      // Positions before `stop` are never traced back: no decisions needed.
+      if (decide) a.decisions[b] = i >= stop ? mem[b].decisions + i * dec_words : nullptr;
     }
     RunStep(bits, a);
     for (int b = 0; b < count; ++b) a.prev[b] = a.out[b];
@@ -304,9 +378,13 @@ void RunPass(int bits, const Tables& tables, int count, const float* const* t,
       }
     }
     for (int i = kTileSize - 1; i >= stop; --i) {
-      const uint16_t* prev = i == 0 ? start[b] : row(b, i - 1);
-      const int p = BestPredecessor(bits, prev, edge, tables.natural,
-                                    static_cast<_Float16>(t[b][i]));
+      int p;
+      if (decide) {
+        p = DecodedPredecessor(bits, mem[b].decisions + i * dec_words, edge);
+      } else {
+        const uint16_t* prev = i == 0 ? mem[b].start : row(b, i - 1);
+        p = BestPredecessor(bits, prev, edge, tables.natural, static_cast<_Float16>(t[b][i]));
+      }
       const int s = (p << shift) | edge;
       states[b][i] = static_cast<uint16_t>(s);
       edge = s >> bits;
@@ -314,21 +392,26 @@ void RunPass(int bits, const Tables& tables, int count, const float* const* t,
   }
 }
 
-void QuantizeBatch(const float* targets, int count, int bits, Codebook codebook,
+void QuantizeBatch(const float* targets, int count, int bits, Codebook codebook, bool decide,
                    TileWorkspace& workspace, uint16_t* states, float* decoded,
                    double* sq_errors) {
   const Tables& tables = GetTables(codebook);
   const int edges = 1 << (16 - bits);
   const size_t stride = static_cast<size_t>(edges) + kPad;
-  // Per tile: rows 0..255, two rolling rows, the start row.
-  const size_t per_tile = 259 * stride;
+  // Per tile (halves): row mode: rows 0..255, two rolling rows, the start
+  // row. Decision mode: two rolling rows, the start row, then 256 positions
+  // of E·(P-1)/32 masks (E·(P-1)/8 bytes, a multiple of 64).
+  const size_t dec_words = decide ? static_cast<size_t>(edges) * ((1 << bits) - 1) / 32 : 0;
+  const size_t row_count = decide ? 3 : 259;
+  const size_t per_tile = row_count * stride + 2 * kTileSize * dec_words;
   auto* base = reinterpret_cast<uint16_t*>(workspace.Reserve((count * per_tile + 1) / 2 + 32));
-  uint16_t* rows[kMaxB] = {};
-  uint16_t* start[kMaxB] = {};
+  TileMem mem[kMaxB] = {};
   for (int b = 0; b < count; ++b) {
-    rows[b] = base + b * per_tile;
-    start[b] = rows[b] + 258 * stride;
-    for (int r = 0; r < 259; ++r) std::memset(rows[b] + r * stride + edges, 0, kPad * 2);
+    mem[b].rows = base + b * per_tile;
+    mem[b].start = mem[b].rows + (row_count - 1) * stride;
+    mem[b].decisions =
+        decide ? reinterpret_cast<uint32_t*>(mem[b].rows + row_count * stride) : nullptr;
+    for (size_t r = 0; r < row_count; ++r) std::memset(mem[b].rows + r * stride + edges, 0, kPad * 2);
   }
 
   // Pass 1: free start over the rotated tile -W..-1, 0..W-1; the path's edge
@@ -342,23 +425,23 @@ void QuantizeBatch(const float* targets, int count, int bits, Codebook codebook,
   for (int b = 0; b < count; ++b) {
     const float* target = targets + b * kTileSize;
     for (int i = 0; i < 2 * kW; ++i) rotated[b][i] = target[(i + kTileSize - kW) & 255];
-    for (int e = 0; e < edges; ++e) start[b][e] = 0;
+    for (int e = 0; e < edges; ++e) mem[b].start[e] = 0;
     t[b] = rotated[b];
     st[b] = rot_states[b];
     final_edge[b] = -1;
   }
-  RunPass(bits, tables, count, t, start, final_edge, kW, rows, stride, st);
+  RunPass(bits, tables, count, t, mem, final_edge, kW, stride, dec_words, st);
 
   // Pass 2: natural order, starting on and ending at the start edge.
   for (int b = 0; b < count; ++b) {
     const int start_edge = rot_states[b][kW] >> bits;
-    for (int e = 0; e < edges; ++e) start[b][e] = 0x7C00;  // +inf
-    start[b][start_edge] = 0;
+    for (int e = 0; e < edges; ++e) mem[b].start[e] = 0x7C00;  // +inf
+    mem[b].start[start_edge] = 0;
     final_edge[b] = start_edge;
     t[b] = targets + b * kTileSize;
     st[b] = states + b * kTileSize;
   }
-  RunPass(bits, tables, count, t, start, final_edge, 0, rows, stride, st);
+  RunPass(bits, tables, count, t, mem, final_edge, 0, stride, dec_words, st);
 
   const float* values = CodebookValues(codebook);
   for (int b = 0; b < count; ++b) {
@@ -373,6 +456,21 @@ void QuantizeBatch(const float* targets, int count, int bits, Codebook codebook,
   }
 }
 
+void QuantizeGroups(const float* targets, int count, int bits, Codebook codebook, bool decide,
+                    TileWorkspace& workspace, uint16_t* states, float* decoded,
+                    double* sq_errors) {
+  // Near-equal groups of at most 4 tiles (the fp32 path's kTileBatch).
+  constexpr int kGroup = 4;
+  const int groups = (count + kGroup - 1) / kGroup;
+  const int size = groups > 0 ? (count + groups - 1) / groups : 0;
+  for (int done = 0; done < count; done += size) {
+    const int n = count - done < size ? count - done : size;
+    QuantizeBatch(targets + done * kTileSize, n, bits, codebook, decide, workspace,
+                  states + done * kTileSize, decoded + done * kTileSize,
+                  sq_errors != nullptr ? sq_errors + done : nullptr);
+  }
+}
+
 }  // namespace
 
 float MaxAbsCodebookValue(Codebook codebook) { return GetTables(codebook).max_abs; }
@@ -380,16 +478,14 @@ float MaxAbsCodebookValue(Codebook codebook) { return GetTables(codebook).max_ab
 void QuantizeTilesUnchecked(const float* targets, int count, int bits, Codebook codebook,
                             TileWorkspace& workspace, uint16_t* states, float* decoded,
                             double* sq_errors) {
-  // Near-equal groups of at most 4 tiles (the fp32 path's kTileBatch).
-  constexpr int kGroup = 4;
-  const int groups = (count + kGroup - 1) / kGroup;
-  const int size = groups > 0 ? (count + groups - 1) / groups : 0;
-  for (int done = 0; done < count; done += size) {
-    const int n = count - done < size ? count - done : size;
-    QuantizeBatch(targets + done * kTileSize, n, bits, codebook, workspace,
-                  states + done * kTileSize, decoded + done * kTileSize,
-                  sq_errors != nullptr ? sq_errors + done : nullptr);
-  }
+  QuantizeGroups(targets, count, bits, codebook, bits <= kDecisionMaxBits, workspace, states,
+                 decoded, sq_errors);
+}
+
+void QuantizeTilesKeepRowsUnchecked(const float* targets, int count, int bits,
+                                    Codebook codebook, TileWorkspace& workspace,
+                                    uint16_t* states, float* decoded, double* sq_errors) {
+  QuantizeGroups(targets, count, bits, codebook, false, workspace, states, decoded, sq_errors);
 }
 
 }  // namespace exl3serve::sharding::quant::avx512fp16

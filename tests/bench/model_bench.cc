@@ -11,6 +11,7 @@
 //   model_bench [--archs llama,qwen3,qwen3-moe] [--ks 2,3,4,16] [--threads 1,0]
 //               [--prompt 128] [--decode 32] [--work DIR] [--convert-threads 0]
 //               [--layers L --hidden H --intermediate I --vocab V]
+//               [--decode-precisions fp32,int8]
 //
 // --threads 0 means all cores. --work keeps the written and converted models
 // (reused by the next run with the same shape); default: a temp dir, removed.
@@ -19,6 +20,8 @@
 // prefill of --prompt tokens + decoding. Prefill: median of 3 forwards of the
 // whole prompt (after one warm-up). Decode: a 16-token prompt, then --decode
 // single-token forwards with greedy argmax (no sampler), median of 3 runs.
+// --decode-precisions: worker::SetDecodePrecision of each run (column "dec";
+// int8 applies to the mul1 linears only; default fp32).
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -43,6 +46,7 @@
 #include "sharding/converter.h"
 #include "sharding/exl3_model.h"
 #include "sharding/test_model.h"
+#include "worker/model/linear.h"
 #include "worker/model/transformer.h"
 
 namespace fs = std::filesystem;
@@ -66,7 +70,8 @@ double Seconds(std::chrono::steady_clock::time_point a, std::chrono::steady_cloc
 }
 
 // Weight bytes one decode step reads: every linear once (EXL3: its stored
-// trellis, scales and bias; plain: fp32 as the runtime holds it), MoE
+// trellis, scales and bias; plain: as the runtime holds it, 16-bit for a
+// BF16 / F16 tensor, else fp32), MoE
 // experts weighted by experts_per_token / num_experts (each token runs
 // exactly that many experts per layer). The embedding row is negligible.
 double DecodeWeightBytes(const std::string& dir) {
@@ -80,7 +85,10 @@ double DecodeWeightBytes(const std::string& dir) {
     if (const sh::Exl3LinearInfo* q = (*model)->FindLinear(l.key)) {
       b = static_cast<double>(q->stored_bytes);
     } else {
-      b = 4.0 * static_cast<double>(l.in_features) * static_cast<double>(l.out_features);
+      // Plain: 2 bytes a weight for a BF16 / F16 tensor (held in 16 bits), else 4.
+      const sh::PlainTensorInfo* p = (*model)->FindPlain(l.key + ".weight");
+      const bool half = p != nullptr && (p->dtype == sh::DType::kBF16 || p->dtype == sh::DType::kF16);
+      b = (half ? 2.0 : 4.0) * static_cast<double>(l.in_features) * static_cast<double>(l.out_features);
     }
     if (l.expert >= 0 && arch->num_experts > 0) {
       b *= static_cast<double>(arch->num_experts_per_token) / arch->num_experts;
@@ -91,8 +99,16 @@ double DecodeWeightBytes(const std::string& dir) {
 }
 
 // The child: load `dir` on `threads` threads, measure, print one RESULT line.
-int Measure(const std::string& dir, int threads, int prompt_tokens, int decode_tokens) {
+int Measure(const std::string& dir, int threads, int prompt_tokens, int decode_tokens,
+            const std::string& decode_precision) {
   exl3serve::kernels::cpu::SetSharedThreadPoolSize(threads);
+  if (decode_precision == "int8") {
+    if (auto s = w::SetDecodePrecision(exl3serve::kernels::TrellisGemmPrecision::kInt8); !s.ok()) {
+      Die(s.ToString());
+    }
+  } else if (decode_precision != "fp32") {
+    Die(absl::StrCat("--decode-precisions: `", decode_precision, "` is not fp32 or int8"));
+  }
   auto model = w::Transformer::Load(dir);
   if (!model.ok()) Die(model.status().ToString());
   const int64_t vocab = (*model)->vocab_size();
@@ -161,7 +177,7 @@ int main(int argc, char** argv) {
       {"--archs", "llama,qwen3,qwen3-moe"}, {"--ks", "2,3,4,16"}, {"--threads", "1,0"},
       {"--prompt", "128"}, {"--decode", "32"}, {"--work", ""}, {"--convert-threads", "0"},
       {"--measure", ""}, {"--layers", ""}, {"--hidden", ""}, {"--intermediate", ""},
-      {"--vocab", ""}};
+      {"--vocab", ""}, {"--decode-precisions", "fp32"}};
   for (int i = 1; i < argc; i += 2) {
     if (!flags.contains(argv[i]) || i + 1 >= argc) Die(absl::StrCat("bad flag ", argv[i]));
     flags[argv[i]] = argv[i + 1];
@@ -171,8 +187,10 @@ int main(int argc, char** argv) {
   if (prompt_tokens < 1 || decode_tokens < 1) Die("--prompt and --decode must be >= 1");
   if (!flags["--measure"].empty()) {
     return Measure(flags["--measure"], ParseInts(flags["--threads"], "--threads").at(0),
-                   prompt_tokens, decode_tokens);
+                   prompt_tokens, decode_tokens, flags["--decode-precisions"]);
   }
+  const std::vector<std::string> precisions =
+      absl::StrSplit(flags["--decode-precisions"], ',', absl::SkipEmpty());
   const int all = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   std::vector<int> threads = ParseInts(flags["--threads"], "--threads");
   for (int& t : threads) t = t <= 0 ? all : t;
@@ -240,32 +258,35 @@ int main(int argc, char** argv) {
 
   std::printf("\nprompt %d tokens (prefill), %d decode steps after a 16-token prompt; medians of 3\n",
               prompt_tokens, decode_tokens);
-  std::printf("%-10s %3s %3s %12s %11s %9s %12s %10s %8s\n", "arch", "K", "thr", "prefill t/s",
-              "decode t/s", "RSS MiB", "MB/decode", "dec GB/s", "ceiling");
+  std::printf("%-10s %3s %3s %4s %12s %11s %9s %12s %10s %8s\n", "arch", "K", "thr", "dec",
+              "prefill t/s", "decode t/s", "RSS MiB", "MB/decode", "dec GB/s", "ceiling");
   for (const std::string& arch : archs) {
     for (int k : ks) {
       for (int t : threads) {
-        const std::string dir = model_dir[arch] + (k == 16 ? "/hf" : absl::StrCat("/k", k));
-        const std::string command = absl::StrCat(argv[0], " --measure ", dir, " --threads ", t,
-                                                 " --prompt ", prompt_tokens, " --decode ",
-                                                 decode_tokens, " 2>&1");
-        FILE* child = popen(command.c_str(), "r");
-        if (child == nullptr) Die("popen failed");
-        char line[4096];
-        double prefill = 0, decode = 0, bytes = 0;
-        long rss_kb = 0;
-        bool found = false;
-        std::string output;
-        while (std::fgets(line, sizeof(line), child) != nullptr) {
-          output += line;
-          found |= std::sscanf(line, "RESULT %lf %lf %ld %lf", &prefill, &decode, &rss_kb, &bytes) == 4;
+        for (const std::string& precision : precisions) {
+          const std::string dir = model_dir[arch] + (k == 16 ? "/hf" : absl::StrCat("/k", k));
+          const std::string command = absl::StrCat(argv[0], " --measure ", dir, " --threads ", t,
+                                                   " --prompt ", prompt_tokens, " --decode ",
+                                                   decode_tokens, " --decode-precisions ",
+                                                   precision, " 2>&1");
+          FILE* child = popen(command.c_str(), "r");
+          if (child == nullptr) Die("popen failed");
+          char line[4096];
+          double prefill = 0, decode = 0, bytes = 0;
+          long rss_kb = 0;
+          bool found = false;
+          std::string output;
+          while (std::fgets(line, sizeof(line), child) != nullptr) {
+            output += line;
+            found |= std::sscanf(line, "RESULT %lf %lf %ld %lf", &prefill, &decode, &rss_kb, &bytes) == 4;
+          }
+          if (pclose(child) != 0 || !found) Die(absl::StrCat(command, " failed:\n", output));
+          const double achieved = decode * bytes;
+          std::printf("%-10s %3d %3d %4s %12.1f %11.1f %9.0f %12.1f %10.2f %7.0f%%\n", arch.c_str(),
+                      k, t, precision.c_str(), prefill, decode, rss_kb / 1024.0, bytes / 1e6,
+                      achieved / 1e9, 100.0 * achieved / stream[t]);
+          std::fflush(stdout);
         }
-        if (pclose(child) != 0 || !found) Die(absl::StrCat(command, " failed:\n", output));
-        const double achieved = decode * bytes;
-        std::printf("%-10s %3d %3d %12.1f %11.1f %9.0f %12.1f %10.2f %7.0f%%\n", arch.c_str(), k, t,
-                    prefill, decode, rss_kb / 1024.0, bytes / 1e6, achieved / 1e9,
-                    100.0 * achieved / stream[t]);
-        std::fflush(stdout);
       }
     }
   }

@@ -26,6 +26,7 @@ tls:
   rank_client_cert: /s/rank.pem
   rank_client_key: /s/rank.key
 rank_token_file: /s/token
+precision: {prefill: bf16, decode: int8}
 boxes:
   - {name: lead, address: 10.0.0.1, coordinator: true, metrics_port: 9400}
   - name: a
@@ -83,6 +84,9 @@ bad 'config key `boxes[1].nics[0]` must be one interface name' 'c["boxes"][1]["n
 bad 'config key `tls.rank_ca` is required with tls.rank_cert' 'del c["tls"]["rank_ca"]'
 bad 'config keys `tls.rank_client_cert` and `tls.rank_client_key` go together' 'del c["tls"]["rank_client_key"]'
 bad 'unknown config key `tls.rank_client_ca`' 'c["tls"]["rank_client_ca"] = "/s/ca.pem"'
+bad 'config key `precision.decode` must be fp32 or int8, got "int4"' 'c["precision"]["decode"] = "int4"'
+bad 'config key `precision.prefill` must be fp32 or bf16, got "int8"' 'c["precision"]["prefill"] = "int8"'
+bad 'unknown config key `precision.mode`' 'c["precision"]["mode"] = "fast"'
 bad 'config key `listen_address`: refusing to listen for ranks on 0.0.0.0 without credentials' 'del c["tls"]; del c["rank_token_file"]'
 bad 'config key `listen_address` is loopback (127.0.0.1:50061) but box "a" has ranks' 'c["listen_address"] = "127.0.0.1:50061"'
 # TLS with a token but no client certificate is enough; so is the explicit opt-out.

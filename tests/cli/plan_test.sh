@@ -138,8 +138,14 @@ expect() {  # expect RC SUBSTRING ARGS...
 expect 1 "sum to 4, but --ranks is 3" --model "$TMP/hf" --ranks 3 --boxes a:2,b:2
 expect 1 "is not NAME:COUNT" --model "$TMP/hf" --ranks 2 --boxes a2
 expect 1 "2 names for 3 ranks" --model "$TMP/hf" --ranks 3 --boxes a,b
-expect 1 "2 values for 3 ranks" --model "$TMP/hf" --ranks 3 --capacity 1,1
-expect 1 "is not a number > 0" --model "$TMP/hf" --ranks 2 --capacity 1,0
+# --capacities / --capacity: the parser generate/serve/worker share
+# (cli/capacity_flags.h); every message names --capacities and the bad value.
+expect 1 "--capacities: 2 values for 3 ranks" --model "$TMP/hf" --ranks 3 --capacity 1,1
+expect 1 "--capacities: \`0\` is not a finite number > 0" --model "$TMP/hf" --ranks 2 --capacity 1,0
+expect 1 "--capacities: \`abc\` is not a finite number > 0" --model "$TMP/hf" --ranks 2 --capacities 1,abc
+expect 1 "--capacities: \`inf\` is not a finite number > 0" --model "$TMP/hf" --ranks 2 --capacities inf,1
+expect 1 "--capacities: \`-0.5\` is not" --model "$TMP/hf" --ranks 3 --boxes a:2,b:1 --capacities 1,1,-0.5
+expect 1 "--capacities: \`\` is not" --model "$TMP/hf" --ranks 2 --capacities 1,1,
 expect 1 "must divide the world size 3" --model "$TMP/moe" --ranks 3 --ep 2
 expect 1 "number of experts 4" --model "$TMP/moe" --ranks 8
 expect 1 "config.json" --model "$TMP/nope" --ranks 2

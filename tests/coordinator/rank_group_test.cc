@@ -4,10 +4,12 @@
 // logits match the model run in this process; a rank killed with SIGKILL
 // fails the step with UNAVAILABLE within the deadline, tears the group down
 // and leaves no process behind; restarted ranks re-form the group; a protocol
-// version mismatch is refused; a missing rank leaves the group not ready
-// without hanging. Every wait has a deadline; nothing sleeps.
+// version mismatch and a KV layout mismatch are refused (the rank exits); a
+// missing rank leaves the group not ready without hanging. Every wait has a
+// deadline; nothing sleeps.
 #include "coordinator/rank_group.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -18,6 +20,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -45,18 +49,24 @@ constexpr absl::Duration kExitTimeout = absl::Seconds(30);
 
 // A rank process started by the test. Killed (SIGKILL) and reaped when the
 // test ends, whatever happened; PR_SET_PDEATHSIG also kills it if the test
-// process dies.
+// process dies. With `stderr_path` its stderr goes to that file.
 class RankProcess {
  public:
-  RankProcess(const std::string& address, int rank, std::vector<std::string> extra) {
+  RankProcess(const std::string& address, int rank, std::vector<std::string> extra,
+              const std::string& stderr_path = "") {
     std::vector<std::string> args = {EXL3_EXE, "worker", "--coordinator", address, "--rank",
                                      absl::StrCat(rank), "--connect-timeout-ms", "30000"};
     args.insert(args.end(), extra.begin(), extra.end());
     const pid_t parent = getpid();
+    const char* err_path = stderr_path.empty() ? nullptr : stderr_path.c_str();
     pid_ = fork();
     if (pid_ == 0) {
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != parent) _exit(127);
+      if (err_path != nullptr) {
+        const int fd = open(err_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd < 0 || dup2(fd, 2) < 0) _exit(126);
+      }
       std::vector<char*> argv;
       for (std::string& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -419,6 +429,49 @@ TEST_F(RankGroupTest, ProtocolVersionMismatchIsRefused) {
   EXPECT_EQ((*group)->generation(), 0u);
 }
 
+// A rank whose Ready reports another KV layout than the coordinator's block
+// allocator can never serve (the allocator mirrors every rank's cache page
+// for page). The coordinator refuses it, FAILED_PRECONDITION naming both
+// layouts, and the rank exits 1 with that message, with --reconnect too,
+// instead of re-registering into the same teardown over and over. The other
+// rank re-registers, and a rank with the right layout completes the group.
+TEST_F(RankGroupTest, KvLayoutMismatchIsRefusedAndTheRankExits) {
+  testing::ScratchDir dir;
+  const std::string err_path = dir.path() + "/mismatched-rank.err";
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();  // 64 pages of 16 positions
+  RankProcess r0(Address(**group), 0, {"--reconnect"});
+  RankProcess mismatched(Address(**group), 1, {"--reconnect", "--kv-pages-for-testing", "48"},
+                         err_path);
+  int status = 0;
+  ASSERT_TRUE(mismatched.WaitExit(kReadyTimeout, &status)) << "the mismatched rank kept running";
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  std::ifstream err_file(err_path);
+  const std::string err((std::istreambuf_iterator<char>(err_file)),
+                        std::istreambuf_iterator<char>());
+  for (const char* part : {"rank 1: refused by the coordinator: KV layout mismatch",
+                           "48 pages of 16 positions", "has 64 pages of 16"}) {
+    EXPECT_NE(err.find(part), std::string::npos) << "stderr lacks \"" << part << "\":\n" << err;
+  }
+  // The group formed once (generation 1) and was torn down; it names why.
+  EXPECT_FALSE((*group)->ready());
+  const RankGroupStatus torn = (*group)->status();
+  EXPECT_EQ(torn.generation, 1u);
+  EXPECT_NE(torn.last_error.find("FAILED_PRECONDITION: KV layout mismatch"), std::string::npos)
+      << torn.last_error;
+  EXPECT_NE(torn.last_error.find("48 pages"), std::string::npos) << torn.last_error;
+  EXPECT_EQ(kill(r0.pid(), 0), 0) << "rank 0 (--reconnect) should have registered again";
+
+  // A rank 1 with the coordinator's layout: the group forms again and serves.
+  RankProcess fixed(Address(**group), 1, {"--reconnect"});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  EXPECT_EQ((*group)->generation(), 2u);
+  absl::StatusOr<std::vector<float>> logits = PrefillLogits(**group, 1, Prompt(5, 1000, 3));
+  EXPECT_TRUE(logits.ok()) << logits.status();
+  (*group)->Shutdown("test over");
+}
+
 TEST_F(RankGroupTest, MissingRankLeavesTheGroupNotReadyWithoutHanging) {
   absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
   ASSERT_TRUE(group.ok()) << group.status();
@@ -577,6 +630,31 @@ TEST_F(RankGroupTest, UnevenCapacitiesReachEveryRankThroughSetup) {
     EXPECT_EQ(none.status().code(), absl::StatusCode::kInvalidArgument) << none.status();
     EXPECT_NE(none.status().message().find("capacities"), std::string::npos) << none.status();
   }
+}
+
+// RankGroupOptions::prefill_precision / decode_precision reach every rank
+// through Setup; a rank's own `worker --decode-precision` wins; each rank logs
+// the precisions it runs.
+TEST_F(RankGroupTest, PrecisionsReachRanksThroughSetupAndOwnFlagsWin) {
+  testing::ScratchDir dir;
+  RankGroupOptions options = Options(2);
+  options.prefill_precision = kernels::TrellisGemmPrecision::kBf16;
+  options.decode_precision = kernels::TrellisGemmPrecision::kInt8;
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(options);
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {}, dir.File("r0.log"));
+  RankProcess r1(Address(**group), 1, {"--decode-precision", "fp32"}, dir.File("r1.log"));
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  const std::string log0 = read(dir.File("r0.log"));
+  const std::string log1 = read(dir.File("r1.log"));
+  EXPECT_NE(log0.find("rank 0: precision prefill=bf16 decode=int8"), std::string::npos) << log0;
+  EXPECT_NE(log1.find("rank 1: precision prefill=bf16 decode=fp32"), std::string::npos) << log1;
+  (*group)->Shutdown("test over");
 }
 
 }  // namespace

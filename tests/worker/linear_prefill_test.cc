@@ -1,6 +1,13 @@
 // worker/model/linear.h SetPrefillPrecision: an EXL3 linear runs kBf16 for
 // m >= kPrefillMinRows and stays exact fp32 below; kInt8 is rejected.
+// SetDecodePrecision(kInt8): mul1 linears with m < kPrefillMinRows run int8
+// activations (close to exact, at linear and model level, greedy tokens of a
+// peaked-logits model unchanged); 3inst / mcg linears fall back to fp32 bit
+// for bit; kBf16 is rejected.
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -13,10 +20,18 @@
 #include "sharding/converter.h"
 #include "sharding/exl3_model.h"
 #include "sharding/test_model.h"
+#include "tests/testing/scratch_dir.h"
+#include "worker/model/generator.h"
+#include "worker/model/step_executor.h"
+#include "worker/model/transformer.h"
 #include "worker/model/linear.h"
 
 namespace exl3serve::worker {
 namespace {
+
+// Bound on the relative L2 error of a model's logits under int8 decode
+// against fp32 (Int8DecodeLogitsCloseToExactOnMul1Model).
+constexpr double kInt8DecodeLogitsBound = 6e-2;
 
 // A 4-bit EXL3 conversion of a 1-layer test model (down_proj: 192 -> 128,
 // padded to k = 256, so Forward also exercises the zero-padded input).
@@ -49,6 +64,7 @@ class LinearPrefillTest : public ::testing::Test {
   }
   void TearDown() override {
     ASSERT_TRUE(SetPrefillPrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
   }
   static std::string* root_;
 };
@@ -100,6 +116,183 @@ TEST_F(LinearPrefillTest, RejectsInt8) {
   EXPECT_EQ(SetPrefillPrecision(kernels::TrellisGemmPrecision::kInt8).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(PrefillPrecision(), kernels::TrellisGemmPrecision::kFloat);
+}
+
+// Relative L2 error of `got` against `exact` (float64 sums).
+double RelativeL2(const std::vector<float>& got, const std::vector<float>& exact) {
+  double err2 = 0, norm2 = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double e = double(got[i]) - exact[i];
+    err2 += e * e;
+    norm2 += double(exact[i]) * exact[i];
+  }
+  return std::sqrt(err2 / std::max(norm2, 1e-300));
+}
+
+TEST_F(LinearPrefillTest, Int8DecodeIsCloseAndPrefillStaysExact) {
+  auto model = sharding::Exl3Model::Open(*root_ + "/exl3");
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto linear = Linear::Load(**model, "model.layers.0.mlp.down_proj", 192, 128);
+  ASSERT_TRUE(linear.ok()) << linear.status();
+  std::mt19937 rng(9);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (int64_t m : {int64_t{1}, int64_t{3}, kPrefillMinRows - 1, kPrefillMinRows, int64_t{31}}) {
+    std::vector<float> x(static_cast<size_t>(m * 192));
+    for (float& v : x) v = g(rng);
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+    const std::vector<float> exact = Forward(*linear, x, m);
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+    const std::vector<float> got = Forward(*linear, x, m);
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(got[i])) << "m=" << m << " index " << i;
+    }
+    if (m >= kPrefillMinRows) {
+      EXPECT_EQ(got, exact) << "m=" << m << ": prefill-sized calls must not use the decode mode";
+    } else {
+      const double error = RelativeL2(got, exact);
+      EXPECT_NE(got, exact) << "m=" << m << ": int8 decode did not take effect";
+      // int8 activations: ~0.8-0.9 % RMS of the output (trellis_gemm.h);
+      // measured 0.65-0.72 % here.
+      EXPECT_LE(error, 1.5e-2) << "m=" << m;
+      std::printf("linear m=%d: int8 decode relative L2 error %.3g\n", static_cast<int>(m), error);
+    }
+  }
+}
+
+TEST_F(LinearPrefillTest, DecodeRejectsBf16) {
+  const absl::Status s = SetDecodePrecision(kernels::TrellisGemmPrecision::kBf16);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("prefill"), std::string::npos) << s;
+  EXPECT_EQ(DecodePrecision(), kernels::TrellisGemmPrecision::kFloat);
+  EXPECT_STREQ(GemmPrecisionName(kernels::TrellisGemmPrecision::kInt8), "int8");
+}
+
+// Model level: whole EXL3 models converted with one codebook.
+class DecodePrecisionModelTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+  }
+  // A 2-layer Llama test model (hidden 128, MLP 320, vocab 1000) converted at 3 bits.
+  std::string Convert(kernels::Codebook codebook, bool peaked, const std::string& name) {
+    sharding::TestModelOptions model;
+    model.hidden_size = 128;
+    model.intermediate_size = 320;
+    model.seed = 23;
+    model.peaked_logits = peaked;
+    const std::string hf = dir_.File(name + "-hf");
+    EXPECT_TRUE(sharding::WriteTestModel(hf, model).ok());
+    sharding::ConvertOptions options;
+    options.in_dir = hf;
+    options.out_dir = dir_.File(name);
+    options.bits = 3.0;
+    options.codebook = codebook;
+    options.threads = 2;
+    options.show_progress = false;
+    auto report = sharding::ConvertModel(options);
+    EXPECT_TRUE(report.ok()) << report.status();
+    return options.out_dir;
+  }
+  testing::ScratchDir dir_;
+};
+
+// The logits of every position of `prompt`, fed one token per forward
+// (decode-sized: m = 1 in every linear).
+std::vector<float> TokenByTokenLogits(const Transformer& model, const std::vector<int32_t>& prompt) {
+  KvCacheOptions kv;
+  kv.dtype = KvCacheDtype::kFp32;
+  kv.num_pages = 16;
+  absl::StatusOr<PagedKvCache> cache = model.CreateKvCache(kv);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  if (!cache.ok()) return {};
+  EXPECT_TRUE(cache->AddSequence(3).ok());
+  std::vector<float> all;
+  for (int32_t token : prompt) {
+    const SequenceTokens entry{3, {&token, 1}};
+    std::vector<float> logits(static_cast<size_t>(model.vocab_size()),
+                              std::numeric_limits<float>::quiet_NaN());
+    const absl::Status s = model.Forward({&entry, 1}, LogitsRows::kLastToken, &*cache, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+    all.insert(all.end(), logits.begin(), logits.end());
+  }
+  return all;
+}
+
+std::vector<int32_t> Ids(int n, int64_t vocab, uint32_t seed) {
+  std::vector<int32_t> ids(n);
+  uint32_t x = seed;
+  for (int32_t& id : ids) {
+    x = x * 1664525u + 1013904223u;
+    id = static_cast<int32_t>((x >> 8) % vocab);
+  }
+  return ids;
+}
+
+TEST_F(DecodePrecisionModelTest, Int8DecodeLogitsCloseToExactOnMul1Model) {
+  const std::string dir = Convert(kernels::Codebook::kMul1, false, "mul1");
+  auto model = Transformer::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const std::vector<int32_t> prompt = Ids(24, (*model)->vocab_size(), 5);
+  ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+  const std::vector<float> exact = TokenByTokenLogits(**model, prompt);
+  ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+  const std::vector<float> got = TokenByTokenLogits(**model, prompt);
+  ASSERT_EQ(got.size(), exact.size());
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_TRUE(std::isfinite(got[i])) << i;
+  const double error = RelativeL2(got, exact);
+  std::printf("mul1 K=3 model, 24 decode steps: int8 logits relative L2 error %.3g\n", error);
+  EXPECT_NE(got, exact) << "int8 decode did not take effect";
+  // Measured 3.2e-2 (2 random layers + a 6-bit lm_head, each linear ~0.7 % of
+  // its output; the errors compound through the residual stream).
+  EXPECT_LE(error, kInt8DecodeLogitsBound);
+}
+
+TEST_F(DecodePrecisionModelTest, Int8DecodeKeepsGreedyTokensOfPeakedModel) {
+  const std::string dir = Convert(kernels::Codebook::kMul1, true, "peaked");
+  auto model = Transformer::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto greedy = [&]() {
+    KvCacheOptions kv;
+    kv.num_pages = 16;
+    absl::StatusOr<PagedKvCache> cache = (*model)->CreateKvCache(kv);
+    EXPECT_TRUE(cache.ok());
+    LocalStepExecutor executor(model->get(), std::move(*cache));
+    GenerationOptions options;
+    options.sampling.temperature = 0.0f;
+    options.max_new_tokens = 48;
+    std::vector<int32_t> tokens;
+    const std::vector<int32_t> prompt = {17, 401, 93};
+    absl::StatusOr<FinishReason> finish =
+        Generate(executor, 1, prompt, options, [&](const GeneratedStep& step) {
+          tokens.push_back(step.token.id);
+          return true;
+        });
+    EXPECT_TRUE(finish.ok()) << finish.status();
+    return tokens;
+  };
+  ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+  const std::vector<int32_t> exact = greedy();
+  ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+  const std::vector<int32_t> got = greedy();
+  EXPECT_EQ(exact.size(), 48u);
+  EXPECT_EQ(got, exact);
+}
+
+TEST_F(DecodePrecisionModelTest, Int8DecodeLeaves3InstAndMcgModelsBitExact) {
+  for (kernels::Codebook codebook : {kernels::Codebook::k3Inst, kernels::Codebook::kMcg}) {
+    const std::string dir =
+        Convert(codebook, false, codebook == kernels::Codebook::kMcg ? "mcg" : "3inst");
+    auto model = Transformer::Load(dir);
+    ASSERT_TRUE(model.ok()) << model.status();
+    const std::vector<int32_t> prompt = Ids(6, (*model)->vocab_size(), 8);
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+    const std::vector<float> exact = TokenByTokenLogits(**model, prompt);
+    ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+    const std::vector<float> got = TokenByTokenLogits(**model, prompt);
+    ASSERT_EQ(got.size(), exact.size());
+    EXPECT_EQ(0, std::memcmp(got.data(), exact.data(), sizeof(float) * got.size()))
+        << "codebook " << static_cast<int>(codebook) << " must fall back to fp32 bit for bit";
+  }
 }
 
 }  // namespace

@@ -4,8 +4,11 @@
 // tokens over 64 steps; the same with the embedding spilled to disk on every
 // rank (bit-identical logits); a killed rank fails the step within its deadline and
 // leaves no process behind; each rank reads only its part of the checkpoint.
+#include <poll.h>
 #include <signal.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -15,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "sharding/converter.h"
@@ -31,6 +35,7 @@ namespace {
 
 using rank::LocalGroup;
 using rank::LocalGroupOptions;
+using rank::LocalRankStatus;
 
 struct Models {
   testing::ScratchDir dir;
@@ -329,8 +334,30 @@ TEST_F(TensorParallelTest, KilledRankFailsTheStepWithinTheDeadline) {
   ASSERT_TRUE(group.ok()) << group.status();
   std::vector<pid_t> pids;
   for (int r = 0; r < 3; ++r) pids.push_back((*group)->rank_pid(r));
+  // rank_status (GetServerInfo's ranks): every rank up, with its pid.
+  std::vector<LocalRankStatus> ranks = (*group)->rank_status();
+  ASSERT_EQ(ranks.size(), 3u);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(ranks[r].rank, r);
+    EXPECT_EQ(ranks[r].pid, pids[r]);
+    EXPECT_TRUE(ranks[r].up);
+    EXPECT_GT(ranks[r].bytes_read, 0u);
+    EXPECT_NE(ranks[r].address.find(absl::StrCat(" pid ", pids[r], " (local)")), std::string::npos)
+        << ranks[r].address;
+  }
   ASSERT_TRUE((*group)->AddSequence(1).ok());
+  // Killed while the group is idle: rank_status shows it down once the
+  // process is gone (a bounded pidfd wait), before any step notices.
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pids[1], 0));
+  ASSERT_GE(pidfd, 0);
   ASSERT_EQ(kill(pids[1], SIGKILL), 0);
+  pollfd exited{pidfd, POLLIN, 0};
+  ASSERT_EQ(poll(&exited, 1, 20'000), 1) << "rank 1 did not exit within 20 s of SIGKILL";
+  close(pidfd);
+  ranks = (*group)->rank_status();
+  EXPECT_TRUE(ranks[0].up);
+  EXPECT_FALSE(ranks[1].up);
+  EXPECT_TRUE(ranks[2].up);
   const std::vector<int32_t> prompt = {1, 2, 3, 4, 5};
   const SequenceTokens entry{1, prompt};
   std::vector<float> logits;
@@ -341,8 +368,9 @@ TEST_F(TensorParallelTest, KilledRankFailsTheStepWithinTheDeadline) {
   EXPECT_LT(took, options.step_timeout + absl::Seconds(2)) << status;
   std::printf("step with a killed rank: %s after %s\n", status.ToString().c_str(),
               absl::FormatDuration(took).c_str());
-  // Later calls fail at once, naming the broken group.
+  // Later calls fail at once, naming the broken group; no rank is up.
   EXPECT_FALSE((*group)->AddSequence(2).ok());
+  for (const LocalRankStatus& rank : (*group)->rank_status()) EXPECT_FALSE(rank.up) << rank.rank;
   group->reset();  // shuts down what is left
   for (pid_t pid : pids) {
     EXPECT_EQ(kill(pid, 0), -1) << "rank pid " << pid << " still exists";

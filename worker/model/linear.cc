@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -29,6 +30,13 @@ inline float Dot(const float* a, const float* b, int64_t k) {
   }
   for (int l = 0; j < k; ++j, ++l) acc[l] += a[j] * b[j];
   return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// The 16-bit type a plain weight of checkpoint dtype `dtype` is held in.
+std::optional<kernels::cpu::Dense16Type> HeldDense16Type(sharding::DType dtype) {
+  if (dtype == sharding::DType::kBF16) return kernels::cpu::Dense16Type::kBf16;
+  if (dtype == sharding::DType::kF16) return kernels::cpu::Dense16Type::kF16;
+  return std::nullopt;
 }
 
 absl::StatusOr<std::vector<float>> LoadBias(const sharding::Exl3Model& model,
@@ -100,6 +108,11 @@ absl::StatusOr<Linear> Linear::LoadPlain(const sharding::Exl3Model& model,
                                             "` has shape [", shape, "], expected at least [",
                                             out_features, ",", in_features, "]"));
   }
+  if (const auto type = HeldDense16Type(info->dtype)) {  // [out, in] of its 16 bits, no widening
+    EXL3_ASSIGN_OR_RETURN(std::vector<uint16_t> bits,
+                          model.LoadTensorSlice16(weight_name_view, 0, out_features, 0, in_features));
+    return FromDense16(std::move(bits), *type, in_features, out_features, {});
+  }
   EXL3_ASSIGN_OR_RETURN(std::vector<float> stored, model.LoadTensorAsFloat(weight_name_view));
   const int64_t stride = info->shape[1];
   if (stride != in_features || info->shape[0] != out_features) {
@@ -155,12 +168,21 @@ absl::StatusOr<Linear> Linear::LoadWindow(const sharding::Exl3Model& model,
                                             "` must be 2-d of at least [", out_features, ",",
                                             in_features, "]"));
   }
-  if (linear.in_ > 0 && linear.out_ > 0) {
+  const auto type16 = HeldDense16Type(info->dtype);
+  if (type16) {
+    linear.plain_dtype_ = *type16 == kernels::cpu::Dense16Type::kBf16 ? PlainDType::kBf16
+                                                                      : PlainDType::kF16;
+  }
+  if (type16 && linear.in_ > 0 && linear.out_ > 0) {
+    EXL3_ASSIGN_OR_RETURN(linear.weight16_, model.LoadTensorSlice16(weight_name, out_begin,
+                                                                    out_end, in_begin, in_end));
+  } else if (linear.in_ > 0 && linear.out_ > 0) {
     EXL3_ASSIGN_OR_RETURN(linear.weight_, model.LoadTensorSliceAsFloat(weight_name, out_begin,
                                                                       out_end, in_begin, in_end));
   } else {
     linear.weight_.clear();
   }
+
   if (with_bias && linear.out_ > 0) {
     const std::string bias_name = key + ".bias";
     if (const sharding::PlainTensorInfo* b = model.FindPlain(bias_name)) {
@@ -174,6 +196,42 @@ absl::StatusOr<Linear> Linear::LoadWindow(const sharding::Exl3Model& model,
     }
   }
   return linear;
+}
+
+Linear Linear::FromDense16(std::vector<uint16_t> weight, kernels::cpu::Dense16Type type,
+                           int64_t in_features, int64_t out_features, std::vector<float> bias) {
+  EXL3_CHECK(static_cast<int64_t>(weight.size()) == in_features * out_features)
+      << weight.size() << " != " << in_features << " x " << out_features;
+  EXL3_CHECK(bias.empty() || static_cast<int64_t>(bias.size()) == out_features);
+  Linear linear;
+  linear.in_ = in_features;
+  linear.out_ = out_features;
+  linear.plain_dtype_ =
+      type == kernels::cpu::Dense16Type::kBf16 ? PlainDType::kBf16 : PlainDType::kF16;
+  linear.weight16_ = std::move(weight);
+  linear.bias_ = std::move(bias);
+  return linear;
+}
+
+void Linear::DenseRowsToFloat(int64_t row, int64_t rows, float* out) const {
+  EXL3_CHECK(!quantized_ && row >= 0 && rows >= 0 && row + rows <= out_)
+      << "DenseRowsToFloat(" << row << ", " << rows << ") on " << key_;
+  if (plain_dtype_ == PlainDType::kF32) {
+    std::memcpy(out, weight_.data() + row * in_, sizeof(float) * rows * in_);
+    return;
+  }
+  kernels::cpu::Dense16ToFloat(weight16_.data() + row * in_,
+                               plain_dtype_ == PlainDType::kBf16 ? kernels::cpu::Dense16Type::kBf16
+                                                                 : kernels::cpu::Dense16Type::kF16,
+                               rows * in_, out);
+}
+
+int64_t Linear::weight_bytes() const {
+  if (quantized_) {
+    return static_cast<int64_t>(exl3_.trellis.size() * sizeof(uint16_t) +
+                                (exl3_.suh.size() + exl3_.svh.size()) * sizeof(float));
+  }
+  return static_cast<int64_t>(weight_.size() * sizeof(float) + weight16_.size() * sizeof(uint16_t));
 }
 
 Linear Linear::FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
@@ -205,6 +263,36 @@ kernels::TrellisGemmPrecision PrefillPrecision() {
   return g_prefill_precision.load(std::memory_order_relaxed);
 }
 
+namespace {
+std::atomic<kernels::TrellisGemmPrecision> g_decode_precision{kernels::TrellisGemmPrecision::kFloat};
+}  // namespace
+
+absl::Status SetDecodePrecision(kernels::TrellisGemmPrecision precision) {
+  if (precision == kernels::TrellisGemmPrecision::kBf16) {
+    return absl::InvalidArgumentError(
+        "decode precision must be fp32 or int8, not bf16 (bf16 is a prefill mode: at decode "
+        "sizes it is slower than fp32)");
+  }
+  g_decode_precision.store(precision, std::memory_order_relaxed);
+  return absl::OkStatus();
+}
+
+kernels::TrellisGemmPrecision DecodePrecision() {
+  return g_decode_precision.load(std::memory_order_relaxed);
+}
+
+const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision) {
+  switch (precision) {
+    case kernels::TrellisGemmPrecision::kFloat:
+      return "fp32";
+    case kernels::TrellisGemmPrecision::kBf16:
+      return "bf16";
+    case kernels::TrellisGemmPrecision::kInt8:
+      return "int8";
+  }
+  return "?";
+}
+
 absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   if (m == 0 || out_ == 0) return absl::OkStatus();
   if (observer_ != nullptr) observer_->ObserveInput(key_, x, m, in_);
@@ -220,8 +308,16 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
     return absl::OkStatus();
   }
   if (!quantized_) {
-    DenseGemmTransposed(x, m, in_, weight_.data(), out_, bias_.empty() ? nullptr : bias_.data(),
-                        y);
+    const float* bias = bias_.empty() ? nullptr : bias_.data();
+    if (plain_dtype_ == PlainDType::kF32) {
+      DenseGemmTransposed(x, m, in_, weight_.data(), out_, bias, y);
+    } else {
+      kernels::cpu::Dense16GemmTransposed(x, m, in_, weight16_.data(),
+                                          plain_dtype_ == PlainDType::kBf16
+                                              ? kernels::cpu::Dense16Type::kBf16
+                                              : kernels::cpu::Dense16Type::kF16,
+                                          out_, bias, y);
+    }
     return absl::OkStatus();
   }
   const int64_t k = exl3_.k, n = exl3_.n;
@@ -235,7 +331,12 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
     input = padded_x.data();
   }
   kernels::TrellisGemmOptions options;
-  if (m >= kPrefillMinRows) options.precision = PrefillPrecision();
+  if (m >= kPrefillMinRows) {
+    options.precision = PrefillPrecision();
+  } else if (exl3_.codebook == kernels::Codebook::kMul1) {
+    // kInt8 is mul1-only (TrellisGemm refuses it for 3inst/mcg): those stay kFloat.
+    options.precision = DecodePrecision();
+  }
   if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y, options);
   std::vector<float> padded_y(static_cast<size_t>(m * n));
   EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data(), options));

@@ -1,6 +1,7 @@
 // worker/model/linear.h — one linear layer of a model, whichever way it is
 // stored: an EXL3 quantized linear (run with kernels::TrellisGemm) or a plain
-// bf16/fp16/fp32 weight (held as fp32, run with a blocked fp32 GEMM), so EXL3
+// bf16/fp16/fp32 weight (bf16/fp16 held in 16 bits, run with
+// kernels/cpu/dense16_gemm.h; fp32 held and run as fp32), so EXL3
 // directories and ordinary Hugging Face checkpoints run through the same code.
 //
 //   EXL3_ASSIGN_OR_RETURN(Linear q, Linear::Load(model, "model.layers.0.self_attn.q_proj",
@@ -20,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/reconstruct.h"
+#include "kernels/cpu/dense16_gemm.h"
 #include "kernels/trellis_gemm.h"
 
 namespace exl3serve::sharding {
@@ -41,13 +43,32 @@ class InputObserver {
 // Precision of every EXL3 Linear::Forward with at least kPrefillMinRows rows
 // (prefill) in this process: kFloat (default, exact fp32) or kBf16 (bf16
 // weights and activations, fp32 sums; ~0.24-0.3 % RMS error, AMX where the CPU
-// has it: kernels/trellis_gemm.h). Smaller m (decode) always runs kFloat.
-// Set it before serving (`generate --prefill-precision bf16`); affects this
-// process only (rank processes of --tp/--ep keep kFloat). Thread-safe.
+// has it: kernels/trellis_gemm.h). Smaller m (decode) runs DecodePrecision().
+// Set it before serving (`generate|serve|worker --prefill-precision bf16`;
+// rank processes get it as a worker flag or in the coordinator's Setup);
+// affects this process only. Thread-safe.
 // Errors: InvalidArgument for kInt8 (mul1-only, not a prefill mode).
 inline constexpr int64_t kPrefillMinRows = 17;
 absl::Status SetPrefillPrecision(kernels::TrellisGemmPrecision precision);
 kernels::TrellisGemmPrecision PrefillPrecision();
+
+// Precision of every EXL3 Linear::Forward with fewer than kPrefillMinRows rows
+// (decode) in this process: kFloat (default, exact fp32) or kInt8 (int8
+// activations with a per-row scale, integer byte-sum dot products; ~0.8-0.9 %
+// RMS output error, ~1.8x the kFloat GEMV at batch 1: kernels/trellis_gemm.h).
+// kInt8 applies only to linears TrellisGemm runs in int8 — the mul1 codebook,
+// any K; other linears (3inst, mcg) silently stay kFloat, bit for bit, so one
+// setting serves a model of mixed codebooks. Plain (non-EXL3) linears are
+// unaffected. Set it before serving (`generate|serve|worker
+// --decode-precision int8`; rank processes get it as a worker flag or in the
+// coordinator's Setup); affects this process only. Thread-safe.
+// Errors: InvalidArgument for kBf16 (bf16 pays off only for GEMMs where the
+// decode is amortised over many rows; at decode sizes it is slower than
+// kFloat, so it is a prefill mode only).
+absl::Status SetDecodePrecision(kernels::TrellisGemmPrecision precision);
+kernels::TrellisGemmPrecision DecodePrecision();
+// "fp32", "bf16" or "int8" (the flag spelling).
+const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision);
 
 // Thread safety: immutable after Load; Forward is const and thread-safe
 // (an attached InputObserver must tolerate the calling threads).
@@ -89,12 +110,30 @@ class Linear {
   // optional bias (empty = none). Requires: sizes match.
   static Linear FromDense(std::vector<float> weight, int64_t in_features, int64_t out_features,
                           std::vector<float> bias);
+  // The same from 16-bit bit patterns [out][in] of `type`, held as such.
+  static Linear FromDense16(std::vector<uint16_t> weight, kernels::cpu::Dense16Type type,
+                            int64_t in_features, int64_t out_features, std::vector<float> bias);
 
   int64_t in_features() const { return in_; }
   int64_t out_features() const { return out_; }
   bool quantized() const { return quantized_; }
-  // The fp32 weight [out][in] of a plain linear; nullptr for an EXL3 one.
-  const float* dense_weight() const { return quantized_ ? nullptr : weight_.data(); }
+  // Plain linears hold a BF16 / F16 checkpoint weight in its own 16 bits
+  // (run by kernels/cpu/dense16_gemm.h, fp32 sums) and anything else (F32,
+  // F64, FromDense) as fp32 (DenseGemmTransposed).
+  enum class PlainDType { kF32, kBf16, kF16 };
+  PlainDType plain_dtype() const { return plain_dtype_; }
+  // The fp32 weight [out][in] of a plain linear held as fp32; nullptr for an
+  // EXL3 or a 16-bit one (use DenseRowsToFloat).
+  const float* dense_weight() const {
+    return quantized_ || plain_dtype_ != PlainDType::kF32 ? nullptr : weight_.data();
+  }
+  // Rows [row, row + rows) of a plain linear's weight (output features) as
+  // fp32 into out[rows x in] (exact for every storage). Requires: a plain
+  // linear, 0 <= row <= row + rows <= out_features().
+  void DenseRowsToFloat(int64_t row, int64_t rows, float* out) const;
+  // Bytes of weight this linear holds: plain out·in·(4 | 2); EXL3 the
+  // trellis (2 bytes a word) plus suh/svh (4 bytes each). Biases excluded.
+  int64_t weight_bytes() const;
 
   // y = x · Wᵀ + bias for m rows; x is m x in, y is m x out, row-major.
   // Errors: those of kernels::TrellisGemm (a broken EXL3 linear). y is
@@ -116,7 +155,9 @@ class Linear {
   kernels::Exl3LinearData exl3_;  // quantized_: padded k x n (a window's aligned superset)
   int64_t in_offset_ = 0;         // quantized_: x column 0 is row in_offset_ of exl3_
   int64_t out_offset_ = 0;        // quantized_: y column 0 is column out_offset_ of exl3_
-  std::vector<float> weight_;     // !quantized_: [out][in]
+  std::vector<float> weight_;     // !quantized_, kF32: [out][in]
+  PlainDType plain_dtype_ = PlainDType::kF32;
+  std::vector<uint16_t> weight16_;  // !quantized_, kBf16 / kF16: [out][in] bit patterns
   std::vector<float> bias_;       // !quantized_: [out] or empty
   std::string key_;
   InputObserver* observer_ = nullptr;

@@ -280,7 +280,8 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
   } else if (has_head || !whole) {
     EXL3_ASSIGN_OR_RETURN(Linear embed, Linear::LoadPlain(model, "model.embed_tokens.weight",
                                                           hidden, arch.vocab_size));
-    embed_.assign(embed.dense_weight(), embed.dense_weight() + arch.vocab_size * hidden);
+    embed_.resize(static_cast<size_t>(arch.vocab_size * hidden));
+    embed.DenseRowsToFloat(0, arch.vocab_size, embed_.data());
   }
   if (has_head) {
     EXL3_ASSIGN_OR_RETURN(head_, load(spec(-1, LinearRole::kHead, -1), all_hidden, vocab_, true));
@@ -445,7 +446,8 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   int64_t nh = 0, nkv = layers_.empty() ? 0 : layers_[0].num_kv_heads;
   for (const Layer& layer : layers_) nh = std::max(nh, layer.num_q_heads);
   // h: the residual stream, one row per new token in batch order.
-  const float* embed = embed_.empty() ? head_.dense_weight() : embed_.data();  // tied, one rank
+  // Tied, one rank: the rows come from the head (held in 16 bits or fp32).
+  const float* embed = embed_.empty() ? nullptr : embed_.data();
   std::vector<float> h(static_cast<size_t>(total * hidden));
   if (embed_spill_ != nullptr) {
     // The whole batch's rows in one gather (sorted, coalesced reads).
@@ -457,7 +459,11 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
     int64_t row = 0;
     for (const SequenceTokens& entry : batch) {
       for (int32_t id : entry.tokens) {
-        std::memcpy(&h[row++ * hidden], embed + int64_t{id} * hidden, sizeof(float) * hidden);
+        if (embed != nullptr) {
+          std::memcpy(&h[row++ * hidden], embed + int64_t{id} * hidden, sizeof(float) * hidden);
+        } else {
+          head_.DenseRowsToFloat(id, 1, &h[row++ * hidden]);
+        }
       }
     }
   }

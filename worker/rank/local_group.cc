@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "worker/model/linear.h"
 #include "worker/rank/control_wire.h"
 #include "worker/rank/rank_executor.h"
 
@@ -67,6 +68,22 @@ bool WaitChild(pid_t pid, absl::Duration timeout, int* status) {
     close(pidfd);
   }
   return waitpid(pid, status, WNOHANG) == pid;
+}
+
+// True when child `pid` has exited (or was already reaped), without reaping
+// it: the owner thread's waitpid still sees it.
+bool ChildExited(pid_t pid) {
+  siginfo_t info{};
+  if (waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+    return errno == ECHILD;  // reaped already
+  }
+  return info.si_pid == pid;
+}
+
+std::string HostName() {
+  char host[256] = {};
+  if (gethostname(host, sizeof(host) - 1) != 0) return "unknown-host";
+  return host;
 }
 
 std::string DescribeWaitStatus(int status) {
@@ -148,6 +165,8 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
     }
     if (options.spill.extract) args.push_back("--spill-extract");
     if (options.kv.caller_assigns_pages) args.push_back("--kv-assigned");
+    args.insert(args.end(), {"--prefill-precision", GemmPrecisionName(options.prefill_precision),
+                             "--decode-precision", GemmPrecisionName(options.decode_precision)});
     if (!options.capacities.empty()) {
       // Shortest round-trip text: every rank plans from exactly these values.
       std::string capacities;
@@ -235,7 +254,36 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
     group->Shutdown(absl::Seconds(2));
     return group->broken_;
   }
+  group->Publish();
   return group;
+}
+
+void LocalGroup::Publish() {
+  const bool serving = broken_.ok() && !shut_down_;
+  const std::string host = HostName();
+  std::vector<LocalRankStatus> ranks;
+  for (int r = 0; r < static_cast<int>(ranks_.size()); ++r) {
+    LocalRankStatus& status = ranks.emplace_back();
+    status.rank = r;
+    status.pid = ranks_[r].pid;
+    status.up = serving && !ranks_[r].exited;
+    status.bytes_read = ranks_[r].bytes_read;
+    status.address = absl::StrCat(host, " pid ", ranks_[r].pid, " (local)");
+  }
+  absl::MutexLock lock(&status_mu_);
+  published_ = std::move(ranks);
+}
+
+std::vector<LocalRankStatus> LocalGroup::rank_status() const {
+  std::vector<LocalRankStatus> ranks;
+  {
+    absl::MutexLock lock(&status_mu_);
+    ranks = published_;
+  }
+  for (LocalRankStatus& status : ranks) {
+    if (status.up && ChildExited(status.pid)) status.up = false;
+  }
+  return ranks;
 }
 
 LocalGroup::~LocalGroup() { Shutdown(); }
@@ -252,7 +300,10 @@ std::string LocalGroup::DescribeRank(int r) {
 }
 
 absl::Status LocalGroup::Break(absl::Status status) {
-  if (broken_.ok()) broken_ = status;
+  if (broken_.ok()) {
+    broken_ = status;
+    Publish();
+  }
   return status;
 }
 
@@ -364,6 +415,7 @@ absl::Status LocalGroup::Recover(absl::Time deadline) {
   staged_pages_.clear();
   g.ranks_.clear();
   g.shut_down_ = true;  // its ranks are ours now
+  Publish();
   EXL3_LOG(kInfo) << "rank group re-formed with " << ranks_.size() << " new rank processes";
   return absl::OkStatus();
 }
@@ -371,6 +423,7 @@ absl::Status LocalGroup::Recover(absl::Time deadline) {
 void LocalGroup::Shutdown(absl::Duration grace) {
   if (shut_down_) return;
   shut_down_ = true;
+  Publish();  // every rank down before any is reaped (its pid may be reused)
   if (broken_.ok()) {
     WireWriter w;
     w.U8(static_cast<uint8_t>(ControlOp::kShutdown));

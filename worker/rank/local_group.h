@@ -27,9 +27,12 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/model/kv_cache.h"
@@ -61,11 +64,27 @@ struct LocalGroupOptions {
   // proportionally less of every layer); empty = uniform, else world_size
   // finite values > 0. Passed to every rank as `worker --capacities`.
   std::vector<double> capacities;
+  // Arithmetic of EXL3 linears on every rank (worker/model/linear.h), passed
+  // as `worker --prefill-precision` (kFloat|kBf16) and `--decode-precision`
+  // (kFloat|kInt8); a rank refuses other values (its load error).
+  kernels::TrellisGemmPrecision prefill_precision = kernels::TrellisGemmPrecision::kFloat;
+  kernels::TrellisGemmPrecision decode_precision = kernels::TrellisGemmPrecision::kFloat;
   // Rank r serves /metrics on metrics_host:(metrics_port + r); 0 = off.
   int metrics_port = 0;
   std::string metrics_host = "127.0.0.1";
 };
 
+// One rank of a LocalGroup as a server's GetServerInfo lists it.
+struct LocalRankStatus {
+  int rank = 0;
+  pid_t pid = -1;
+  bool up = false;          // its process runs and the group is neither broken nor shut down
+  uint64_t bytes_read = 0;  // checkpoint bytes it read while loading
+  std::string address;      // "HOST pid P (local)"
+};
+
+// Thread safety: thread-compatible (one caller at a time), except
+// rank_status(), which any thread may call at any time.
 class LocalGroup final : public StepExecutor {
  public:
   // Starts the ranks and waits until every one has loaded (or one fails).
@@ -102,6 +121,11 @@ class LocalGroup final : public StepExecutor {
   uint64_t planned_bytes(int rank) const { return ranks_[rank].planned_bytes; }
   // OK, or the failure that broke the group.
   const absl::Status& health() const { return broken_; }
+  // Every rank, for GetServerInfo. Thread-safe, unlike the rest of the class:
+  // reads a snapshot the owner publishes after Start, Recover, a break and
+  // Shutdown, and checks (without reaping) that each rank's process still
+  // runs, so a rank that died while the group was idle shows as down at once.
+  std::vector<LocalRankStatus> rank_status() const;
 
  private:
   struct Rank {
@@ -118,6 +142,8 @@ class LocalGroup final : public StepExecutor {
   // "rank R (pid P) exited with status S" / "... has not answered": for messages.
   std::string DescribeRank(int rank);
   absl::Status Break(absl::Status status);
+  // Refreshes the snapshot rank_status() reads from ranks_ / broken_ / shut_down_.
+  void Publish();
 
   LocalGroupOptions options_;
   std::vector<Rank> ranks_;
@@ -128,6 +154,9 @@ class LocalGroup final : public StepExecutor {
   bool shut_down_ = false;
   // AssignPages not yet sent, per sequence (sent with its next Forward).
   absl::flat_hash_map<int64_t, std::vector<int32_t>> staged_pages_;
+  // Own synchronisation: rank_status()'s snapshot (written by Publish).
+  mutable absl::Mutex status_mu_;
+  std::vector<LocalRankStatus> published_ ABSL_GUARDED_BY(status_mu_);
 };
 
 }  // namespace exl3serve::worker::rank

@@ -56,6 +56,22 @@ absl::StatusOr<KvCacheDtype> KvDtype(int bits) {
   return KvCacheDtypeFromBits(bits);
 }
 
+// Setup's GemmPrecision (unspecified = fp32). Errors: InvalidArgument for a
+// value this rank does not know.
+absl::StatusOr<kernels::TrellisGemmPrecision> PrecisionFromProto(int value, const char* field) {
+  switch (value) {
+    case pb::GEMM_PRECISION_UNSPECIFIED:
+    case pb::GEMM_PRECISION_FP32:
+      return kernels::TrellisGemmPrecision::kFloat;
+    case pb::GEMM_PRECISION_BF16:
+      return kernels::TrellisGemmPrecision::kBf16;
+    case pb::GEMM_PRECISION_INT8:
+      return kernels::TrellisGemmPrecision::kInt8;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("Setup.", field, ": unknown precision value ", value));
+}
+
 enum class EndKind { kShutdown, kCoordinatorGone, kLostPeers, kRefused, kLoadFailed };
 
 struct SessionEnd {
@@ -65,6 +81,9 @@ struct SessionEnd {
   // The coordinator sent nothing on the stream before it ended (a TLS
   // handshake that refused our certificate looks like this).
   bool unanswered = false;
+  // kRefused after Setup (e.g. the coordinator refused the KV layout this
+  // rank reported in Ready), not at registration.
+  bool after_setup = false;
 };
 
 absl::StatusOr<std::string> ReadFileFlag(const std::string& path, const char* flag) {
@@ -175,8 +194,11 @@ class Session {
       case grpc::StatusCode::INVALID_ARGUMENT:
       case grpc::StatusCode::ALREADY_EXISTS:
       case grpc::StatusCode::UNAUTHENTICATED:
-      case grpc::StatusCode::PERMISSION_DENIED:
-        return SessionEnd{EndKind::kRefused, status, ""};
+      case grpc::StatusCode::PERMISSION_DENIED: {
+        SessionEnd refused{EndKind::kRefused, status, ""};
+        refused.after_setup = setup_seen_;
+        return refused;
+      }
       default:
         return SessionEnd{EndKind::kCoordinatorGone, status, "", !answered_};
     }
@@ -211,6 +233,7 @@ class Session {
       EXL3_LOG(kWarning) << "rank " << options_.rank << ": ignoring a second Setup";
       return std::nullopt;
     }
+    setup_seen_ = true;
     RankSetup rank_setup;
     rank_setup.model_dir = setup.model_dir();
     rank_setup.rank = options_.rank;
@@ -227,6 +250,9 @@ class Session {
     if (setup.kv().num_pages() > 0) rank_setup.kv.num_pages = setup.kv().num_pages();
     if (setup.kv().page_size_tokens() > 0) {
       rank_setup.kv.page_size_tokens = setup.kv().page_size_tokens();
+    }
+    if (options_.kv_num_pages_for_testing > 0) {
+      rank_setup.kv.num_pages = options_.kv_num_pages_for_testing;
     }
     // The coordinator's block tables place every sequence (rank.proto): this
     // rank never takes a page on its own.
@@ -248,6 +274,15 @@ class Session {
       rank_setup.spill.cache_dir = spill.cache_dir();
       rank_setup.spill.extract = spill.extract();
     }
+    // This rank's own --prefill-precision / --decode-precision win over Setup's.
+    absl::StatusOr<kernels::TrellisGemmPrecision> prefill =
+        PrecisionFromProto(setup.prefill_precision(), "prefill_precision");
+    if (!prefill.ok()) return SessionEnd{EndKind::kRefused, prefill.status(), ""};
+    rank_setup.prefill_precision = options_.prefill_precision.value_or(*prefill);
+    absl::StatusOr<kernels::TrellisGemmPrecision> decode =
+        PrecisionFromProto(setup.decode_precision(), "decode_precision");
+    if (!decode.ok()) return SessionEnd{EndKind::kRefused, decode.status(), ""};
+    rank_setup.decode_precision = options_.decode_precision.value_or(*decode);
     rank_setup.observer = options_.observer;
     {
       absl::MutexLock lock(&mu_);
@@ -433,6 +468,7 @@ class Session {
   std::unique_ptr<grpc::ClientReaderWriter<pb::RankMessage, pb::CoordinatorMessage>> stream_;
   std::thread step_thread_;  // started by the reader thread on Setup, joined by Run
   bool answered_ = false;    // the reader thread's: any coordinator message arrived
+  bool setup_seen_ = false;  // the reader thread's: a Setup was accepted
 
   absl::Mutex write_mu_;  // one writer at a time on the stream
 
@@ -548,9 +584,16 @@ absl::Status RunRankClient(const RankClientOptions& options) {
         }
         break;
       case EndKind::kRefused:
+        // Only a slot still held (ALREADY_EXISTS) can clear by itself; every
+        // other refusal (a mismatched protocol, world size or KV layout, a
+        // rank token) repeats until someone changes a setting, so the rank
+        // ends with it even with --reconnect instead of spinning.
         if (!options.reconnect || end.status.code() != absl::StatusCode::kAlreadyExists) {
           return absl::Status(end.status.code(),
-                              absl::StrCat(me, ": registration refused: ", end.status.message()));
+                              absl::StrCat(me,
+                                           end.after_setup ? ": refused by the coordinator: "
+                                                           : ": registration refused: ",
+                                           end.status.message()));
         }
         break;
     }

@@ -22,7 +22,9 @@
 // (FAILED_PRECONDITION: protocol version or world size mismatch) always ends
 // the process with the coordinator's message, and so does UNAUTHENTICATED (no
 // or a wrong rank token); ALREADY_EXISTS (the slot is still held) is retried
-// when reconnecting. With a client certificate, a stream the coordinator
+// when reconnecting. A refusal after loading ends it the same way: the
+// coordinator ends the stream FAILED_PRECONDITION when the KV layout in this
+// rank's Ready differs from its block allocator's (both named). With a client certificate, a stream the coordinator
 // closes before answering anything (typically its TLS refused the
 // certificate) ends the process with UNAVAILABLE naming that, unless
 // reconnecting (then it is logged and retried with a growing pause).
@@ -35,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
 
 namespace exl3serve::worker::rank {
@@ -57,6 +60,9 @@ struct RankClientOptions {
   absl::Duration connect_timeout = absl::Seconds(60);
   // The version sent in Register; tests override it to check refusal.
   uint32_t protocol_version = kRankProtocolVersion;
+  // > 0: build the KV cache with this many pages instead of Setup.kv's, so
+  // tests can check the coordinator's refusal of a mismatched layout.
+  int64_t kv_num_pages_for_testing = 0;
   // The channel's security (`worker --tls-ca ... --rank-token-file F`).
   // tls_ca_file set = TLS: the coordinator's certificate must be signed by
   // that CA and carry tls_server_name (default: the host of
@@ -73,6 +79,11 @@ struct RankClientOptions {
   // when set it wins over the coordinator's Setup.spill (the cache dir and
   // memory budget are the box's own). Unset: Setup.spill, else none.
   std::optional<sharding::SpillPolicy> spill;
+  // EXL3 linear arithmetic of this rank (`worker --prefill-precision`,
+  // `--decode-precision`); when set each wins over the coordinator's
+  // Setup.prefill_precision / decode_precision. Unset: Setup's, else kFloat.
+  std::optional<kernels::TrellisGemmPrecision> prefill_precision;
+  std::optional<kernels::TrellisGemmPrecision> decode_precision;
   // The rank's metrics (worker/metrics.h); borrowed, must outlive the call.
   RankObserver* observer = nullptr;
 };
@@ -84,7 +95,9 @@ struct RankClientOptions {
 // the stream before answering; Unauthenticated for a refused rank token; FailedPrecondition / InvalidArgument when the coordinator
 // refused the registration (its message); the communicator's error when the
 // group broke and reconnect is off; the load error when loading failed and
-// reconnect is off.
+// reconnect is off; FailedPrecondition ("refused by the coordinator: KV layout
+// mismatch ...") when the coordinator refused the KV layout of this rank's
+// Ready, reconnect or not.
 absl::Status RunRankClient(const RankClientOptions& options);
 
 }  // namespace exl3serve::worker::rank

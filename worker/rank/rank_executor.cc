@@ -5,9 +5,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "sharding/exl3_model.h"
 #include "sharding/shard_plan.h"
+#include "worker/model/linear.h"
 
 namespace exl3serve::worker::rank {
 
@@ -38,6 +40,11 @@ absl::Status CheckCapacities(const std::vector<double>& capacities, int world_si
 
 absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
   EXL3_RETURN_IF_ERROR(CheckCapacities(setup.capacities, setup.world_size));
+  EXL3_RETURN_IF_ERROR(SetPrefillPrecision(setup.prefill_precision));
+  EXL3_RETURN_IF_ERROR(SetDecodePrecision(setup.decode_precision));
+  EXL3_LOG(kInfo) << "rank " << setup.rank << ": precision prefill="
+                  << GemmPrecisionName(setup.prefill_precision)
+                  << " decode=" << GemmPrecisionName(setup.decode_precision);
   LoadedRank loaded;
   loaded.rank = setup.rank;
   loaded.observer = setup.observer;

@@ -18,6 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kernels/trellis_gemm.h"
 #include "worker/comm/comm_factory.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/timed_communicator.h"
@@ -64,6 +65,12 @@ struct RankSetup {
   // channels, experts and vocab rows. Empty = all equal; else world_size
   // finite values > 0 (CheckCapacities), the same on every rank.
   std::vector<double> capacities;
+  // Arithmetic of this process's EXL3 linears (worker/model/linear.h):
+  // LoadRank sets them process-wide (SetPrefillPrecision: kFloat|kBf16,
+  // SetDecodePrecision: kFloat|kInt8; InvalidArgument otherwise, before
+  // joining) and logs "rank R: precision prefill=P decode=D".
+  kernels::TrellisGemmPrecision prefill_precision = kernels::TrellisGemmPrecision::kFloat;
+  kernels::TrellisGemmPrecision decode_precision = kernels::TrellisGemmPrecision::kFloat;
   // Borrowed, must outlive the LoadedRank; null = no observation.
   RankObserver* observer = nullptr;
 };

@@ -82,6 +82,8 @@ absl::Status RunRankServer(const RankServerOptions& options) {
   setup.collective_timeout = options.collective_timeout;
   setup.spill = options.spill;
   setup.capacities = options.capacities;
+  setup.prefill_precision = options.prefill_precision;
+  setup.decode_precision = options.decode_precision;
   setup.observer = options.observer;
   absl::StatusOr<LoadedRank> loaded = LoadRank(setup);
   {

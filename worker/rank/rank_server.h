@@ -45,6 +45,9 @@ struct RankServerOptions {
   sharding::SpillPolicy spill;
   // Per-rank capacities (RankSetup::capacities); empty = uniform.
   std::vector<double> capacities;
+  // EXL3 linear arithmetic (RankSetup::prefill_precision / decode_precision).
+  kernels::TrellisGemmPrecision prefill_precision = kernels::TrellisGemmPrecision::kFloat;
+  kernels::TrellisGemmPrecision decode_precision = kernels::TrellisGemmPrecision::kFloat;
   // The rank's metrics; borrowed, must outlive the call. Null = none.
   RankObserver* observer = nullptr;
 };
