@@ -216,6 +216,24 @@ TEST(TileQuantizerTest, OutputIsTailBitingAndDecodesToItsStates) {
   }
 }
 
+// State i of the tail-biting sequence that reads the K-bit `symbols`
+// cyclically: the last ceil(16/K) symbols up to i, low 16 bits.
+uint32_t CyclicState(const std::vector<uint32_t>& symbols, int i, int bits) {
+  uint32_t s = 0;
+  for (int back = (16 + bits - 1) / bits - 1; back >= 0; --back) {
+    s = (s << bits) | symbols[(i - back + kTileSize) % kTileSize];
+  }
+  return s & 0xFFFF;
+}
+
+// A tile the codebook represents exactly: the decoded values of a random
+// tail-biting sequence.
+void RepresentableTile(std::mt19937& rng, int bits, const float* values, float* target) {
+  std::vector<uint32_t> symbols(kTileSize);
+  for (auto& c : symbols) c = rng() & ((1u << bits) - 1);
+  for (int i = 0; i < kTileSize; ++i) target[i] = values[CyclicState(symbols, i, bits)];
+}
+
 // A valid tail-biting sequence built greedily: each symbol chosen to fit the
 // current target given the previous symbols, then the stream read cyclically
 // (so the first states pick up the last symbols).
@@ -240,12 +258,7 @@ double GreedyTailBitingError(const float* target, int bits, const float* values)
   (void)shift;
   double sq = 0.0;
   for (int i = 0; i < kTileSize; ++i) {
-    uint32_t s = 0;
-    for (int back = (16 + bits - 1) / bits - 1; back >= 0; --back) {
-      s = (s << bits) | symbols[(i - back + kTileSize) % kTileSize];
-    }
-    s &= 0xFFFF;
-    const double d = values[s] - target[i];
+    const double d = values[CyclicState(symbols, i, bits)] - target[i];
     sq += d * d;
   }
   return sq;
@@ -284,16 +297,8 @@ TEST(TileQuantizerTest, RecoversAnExactlyRepresentableTileWithZeroError) {
     for (int bits = 1; bits <= 8; ++bits) {
       const uint32_t seed = TestSeed() + 71 * bits;
       std::mt19937 rng(seed);
-      std::vector<uint32_t> symbols(kTileSize);
-      for (auto& c : symbols) c = rng() & ((1u << bits) - 1);
       float target[kTileSize];
-      for (int i = 0; i < kTileSize; ++i) {
-        uint32_t s = 0;
-        for (int back = (16 + bits - 1) / bits - 1; back >= 0; --back) {
-          s = (s << bits) | symbols[(i - back + kTileSize) % kTileSize];
-        }
-        target[i] = values[s & 0xFFFF];
-      }
+      RepresentableTile(rng, bits, values, target);
       uint16_t states[kTileSize];
       float decoded[kTileSize];
       EXPECT_EQ(QuantizeTile(target, bits, cb, ws, states, decoded), 0.0) << CaseName(bits, cb, seed);
@@ -380,16 +385,8 @@ TEST(TileQuantizerFp16Test, RecoversAnExactlyRepresentableTileWithZeroError) {
     for (int bits = 1; bits <= 8; ++bits) {
       const uint32_t seed = TestSeed() + 73 * bits;
       std::mt19937 rng(seed);
-      std::vector<uint32_t> symbols(kTileSize);
-      for (auto& c : symbols) c = rng() & ((1u << bits) - 1);
       float target[kTileSize];
-      for (int i = 0; i < kTileSize; ++i) {
-        uint32_t s = 0;
-        for (int back = (16 + bits - 1) / bits - 1; back >= 0; --back) {
-          s = (s << bits) | symbols[(i - back + kTileSize) % kTileSize];
-        }
-        target[i] = values[s & 0xFFFF];
-      }
+      RepresentableTile(rng, bits, values, target);
       uint16_t states[kTileSize];
       float decoded[kTileSize];
       EXPECT_EQ(Fp16Tile(fp16, target, bits, cb, ws, states, decoded), 0.0) << CaseName(bits, cb, seed);
