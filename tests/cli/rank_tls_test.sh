@@ -34,18 +34,8 @@ fail() {
   exit 1
 }
 
+source "$(dirname "${BASH_SOURCE[0]}")/lib/test_certs.sh"
 cd "$WORK" || exit 1
-ossl() { openssl "$@" >/dev/null 2>&1 || fail "openssl $*"; }
-mkca() {  # name
-  ossl req -x509 -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.pem" -days 2 -subj "/CN=$1" \
-    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign"
-}
-mkcert() {  # name ca extfile-lines
-  ossl req -newkey rsa:2048 -nodes -keyout "$1.key" -out "$1.csr" -subj "/CN=$1"
-  printf '%s\n' "$3" >"$1.ext"
-  ossl x509 -req -in "$1.csr" -CA "$2.pem" -CAkey "$2.key" -CAcreateserial -out "$1.pem" -days 2 \
-    -extfile "$1.ext"
-}
 mkca ca
 mkca otherca
 mkcert endpoint ca "subjectAltName=IP:127.0.0.1,DNS:localhost
