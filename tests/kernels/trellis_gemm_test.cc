@@ -19,6 +19,7 @@
 #include "kernels/reconstruct.h"
 #include "kernels/trellis_decode.h"
 #include "kernels/trellis_lut.h"
+#include "tests/testing/random_linear.h"
 
 namespace exl3serve::kernels {
 namespace {
@@ -59,40 +60,8 @@ const Variant kVariants[] = {
 };
 const Codebook kCodebooks[] = {Codebook::k3Inst, Codebook::kMcg, Codebook::kMul1};
 
-Exl3LinearData RandomLinear(std::mt19937& rng, int64_t k, int64_t n, int bits, Codebook cb,
-                            bool with_bias) {
-  Exl3LinearData d;
-  d.k = k;
-  d.n = n;
-  d.bits = bits;
-  d.codebook = cb;
-  d.trellis.resize(static_cast<size_t>(k / 16 * n / 16 * 16 * bits));
-  std::uniform_int_distribution<int> word(0, 65535);
-  for (auto& v : d.trellis) v = static_cast<uint16_t>(word(rng));  // any bits are a valid tile
-  std::uniform_real_distribution<float> mag(0.05f, 2.0f);
-  std::bernoulli_distribution neg(0.5);
-  auto scales = [&](int64_t size) {
-    std::vector<float> v(static_cast<size_t>(size));
-    for (auto& s : v) s = neg(rng) ? -mag(rng) : mag(rng);
-    if (size > 3) v[3] = 0.0f;  // an all-zero channel (§10)
-    return v;
-  };
-  d.suh = scales(k);
-  d.svh = scales(n);
-  if (with_bias) {
-    std::normal_distribution<float> b(0.0f, 1.0f);
-    d.bias.resize(static_cast<size_t>(n));
-    for (auto& v : d.bias) v = b(rng);
-  }
-  return d;
-}
-
-std::vector<float> RandomInput(std::mt19937& rng, int64_t m, int64_t k) {
-  std::normal_distribution<float> g(0.0f, 1.0f);
-  std::vector<float> x(static_cast<size_t>(m * k));
-  for (auto& v : x) v = g(rng);
-  return x;
-}
+using exl3serve::testing::RandomInput;
+using exl3serve::testing::RandomLinear;
 
 std::vector<float> RunGemm(GemmFn fn, const Exl3LinearView& view, const std::vector<float>& x,
                        int64_t m, TrellisGemmOptions options = {}) {
