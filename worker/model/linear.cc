@@ -322,7 +322,10 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
   }
   const int64_t k = exl3_.k, n = exl3_.n;
   const float* input = x;
-  std::vector<float> padded_x;
+  // Per-thread scratch for windows/shapes not aligned to 128: reused across
+  // calls (decode runs this per token and layer), never shared between threads.
+  thread_local std::vector<float> padded_x;
+  thread_local std::vector<float> padded_y;
   if (k != in_) {
     padded_x.assign(static_cast<size_t>(m * k), 0.0f);
     for (int64_t i = 0; i < m; ++i) {
@@ -338,7 +341,7 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
     options.precision = DecodePrecision();
   }
   if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y, options);
-  std::vector<float> padded_y(static_cast<size_t>(m * n));
+  padded_y.resize(static_cast<size_t>(m * n));
   EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data(), options));
   for (int64_t i = 0; i < m; ++i) {
     std::memcpy(y + i * out_, &padded_y[i * n + out_offset_], sizeof(float) * out_);
