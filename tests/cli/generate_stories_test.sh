@@ -17,7 +17,9 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 [ -f "$TMP/hf/config.json" ] && [ -f "$TMP/hf/model.safetensors" ] || fail "import wrote no model"
 
 got=$("$BIN" --log-level warning generate --model "$TMP/hf" --prompt-ids 1 --temperature 0 --ids --max-tokens 20)
-want="461 461 401 401 401 461 378 455 473 456 435 299 362 409 283 264 283 452 288 13"
+# " Once upon a time, there was a little girl named Lily. She loved to play" (tok512.bin),
+# as the model card (shared/models/stories260K/README.md) says llama2.c writes.
+want="403 407 261 378 432 383 286 261 376 298 315 421 395 317 426 338 401 396 267 337"
 [ "$got" = "$want" ] || fail "greedy ids: got '$got', want '$want'"
 
 # The same with an fp32 and an 8-bit cache: 20 greedy tokens of this model agree.

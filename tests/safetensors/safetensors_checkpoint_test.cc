@@ -3,6 +3,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/shared_data.h"
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -39,8 +40,8 @@ TEST(SafetensorsCheckpointTest, PrefersModelSafetensorsOverOtherFiles) {
 }
 
 TEST(SafetensorsCheckpointTest, OpensSharedTestVectorDirectory) {
-  auto ckpt = SafetensorsCheckpoint::Open(std::string(EXL3_SHARED_DIR) +
-                                          "/testdata/exl3/mul1_k1-8/k3_mul1");
+  EXL3_REQUIRE_SHARED(dir, "testdata/exl3/mul1_k1-8/k3_mul1");
+  auto ckpt = SafetensorsCheckpoint::Open(dir);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_THAT((*ckpt)->TensorNames(),
               ElementsAre("layer.proj.bias", "layer.proj.mul1", "layer.proj.suh",

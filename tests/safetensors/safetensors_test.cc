@@ -1,5 +1,6 @@
 // SafetensorsFile and WriteSafetensorsFile: round trips for every dtype, both
 // header layouts, the shared EXL3 test vectors, and the exact bytes written.
+#include "tests/testing/shared_data.h"
 #include "sharding/safetensors.h"
 
 #include <cmath>
@@ -396,7 +397,6 @@ TEST(SafetensorsFileTest, TruncatedDataSectionIsDataLoss) {
 
 // --- Shared EXL3 test vectors (written by the reference converter).
 
-const std::string kSharedExl3 = std::string(EXL3_SHARED_DIR) + "/testdata/exl3";
 
 // Reads `count` bytes at absolute `offset` straight from the file.
 std::vector<uint8_t> PreadBytes(const std::string& path, uint64_t offset, uint64_t count) {
@@ -406,7 +406,7 @@ std::vector<uint8_t> PreadBytes(const std::string& path, uint64_t offset, uint64
 }
 
 TEST(SharedVectorsTest, ReadsUnpaddedHeaderWithUnalignedDataSection) {
-  const std::string path = kSharedExl3 + "/layout/k2_mul1_unaligned_header/model.safetensors";
+  EXL3_REQUIRE_SHARED(path, "testdata/exl3/layout/k2_mul1_unaligned_header/model.safetensors");
   auto opened = SafetensorsFile::Open(path);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SafetensorsFile& file = **opened;
@@ -440,7 +440,7 @@ TEST(SharedVectorsTest, ReadsUnpaddedHeaderWithUnalignedDataSection) {
 }
 
 TEST(SharedVectorsTest, ReadsPaddedK1Mul1Layer) {
-  const std::string path = kSharedExl3 + "/mul1_k1-8/k1_mul1/model.safetensors";
+  EXL3_REQUIRE_SHARED(path, "testdata/exl3/mul1_k1-8/k1_mul1/model.safetensors");
   auto opened = SafetensorsFile::Open(path);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SafetensorsFile& file = **opened;
@@ -466,7 +466,7 @@ TEST(SharedVectorsTest, ReadsPaddedK1Mul1Layer) {
 }
 
 TEST(SharedVectorsTest, ReadsBF16AndF32SourceWeights) {
-  const std::string path = kSharedExl3 + "/mul1_k1-8/source.safetensors";
+  EXL3_REQUIRE_SHARED(path, "testdata/exl3/mul1_k1-8/source.safetensors");
   auto opened = SafetensorsFile::Open(path);
   ASSERT_TRUE(opened.ok()) << opened.status();
   const SafetensorsFile& file = **opened;
@@ -487,7 +487,7 @@ TEST(SharedVectorsTest, ReadsBF16AndF32SourceWeights) {
 TEST(SharedVectorsTest, RewritingAVectorUnpaddedReproducesItsHeaderLayout) {
   // Copy every tensor of the unaligned-header file through our writer in
   // header order: the unpadded output must have the same data section.
-  const std::string path = kSharedExl3 + "/layout/k2_mul1_unaligned_header/model.safetensors";
+  EXL3_REQUIRE_SHARED(path, "testdata/exl3/layout/k2_mul1_unaligned_header/model.safetensors");
   auto opened = SafetensorsFile::Open(path);
   ASSERT_TRUE(opened.ok()) << opened.status();
   std::vector<TensorToWrite> tensors;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/testing/shared_data.h"
 #include "gtest/gtest.h"
 #include "sharding/llama2c_import.h"
 #include "tests/testing/scratch_dir.h"
@@ -22,8 +23,7 @@ namespace exl3serve::worker {
 namespace {
 
 std::string StoriesPath() {
-  const char* env = std::getenv("EXL3_SHARED_DIR");
-  return std::string(env != nullptr ? env : EXL3_SHARED_DIR) + "/models/stories260K/stories260K.bin";
+  return testing::SharedPath("models/stories260K/stories260K.bin");
 }
 
 // llama2.c's forward in float64, as run.c defines it.
@@ -149,6 +149,7 @@ class Llama2cReference {
 };
 
 TEST(Llama2cImportTest, GreedyContinuationsMatchAFloat64Llama2cForward) {
+  EXL3_REQUIRE_SHARED(stories, "models/stories260K/stories260K.bin");
   testing::ScratchDir dir;
   ASSERT_TRUE(sharding::ImportLlama2c(StoriesPath(), dir.path()).ok());
   auto model = Transformer::Load(dir.path());
@@ -194,6 +195,7 @@ TEST(Llama2cImportTest, GreedyContinuationsMatchAFloat64Llama2cForward) {
 }
 
 TEST(Llama2cImportTest, RejectsATruncatedFile) {
+  EXL3_REQUIRE_SHARED(stories, "models/stories260K/stories260K.bin");
   testing::ScratchDir dir;
   std::ifstream in(StoriesPath(), std::ios::binary);
   std::vector<char> head(4096);
