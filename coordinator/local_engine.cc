@@ -1,5 +1,7 @@
 #include "coordinator/local_engine.h"
 
+#include <random>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
@@ -174,8 +176,26 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
   p.sampling.repetition_penalty = sp.repetition_penalty() == 0 ? 1.0f : sp.repetition_penalty();
   p.sampling.presence_penalty = sp.presence_penalty();
   p.sampling.frequency_penalty = sp.frequency_penalty();
-  if (sp.has_seed()) p.sampling.seed = sp.seed();
+  if (sp.has_seed()) {
+    p.sampling.seed = sp.seed();
+  } else {
+    // The ranks draw from a counter-based generator keyed by the seed, so an
+    // unseeded request gets one here; the log line makes it reproducible.
+    thread_local std::mt19937_64 seeds{std::random_device{}()};
+    p.sampling.seed = seeds();
+    EXL3_LOG(kDebug) << "request " << request.request_id() << ": no seed given, sampling with seed "
+                     << *p.sampling.seed;
+  }
   p.sampling.logprobs = sp.logprobs();
+  p.sampling.top_logprobs = sp.top_logprobs();
+  for (const auto& [id, bias] : sp.logit_bias()) {
+    if (static_cast<int64_t>(id) >= vocab_size_) {
+      return Invalid("sampling_params.logit_bias",
+                     absl::StrCat("token id ", id, " is outside [0, ", vocab_size_, ")"));
+    }
+    p.sampling.logit_bias.emplace_back(static_cast<int32_t>(id), bias);
+  }
+  std::sort(p.sampling.logit_bias.begin(), p.sampling.logit_bias.end());
   if (absl::Status s = worker::ValidateSamplingParams(p.sampling); !s.ok()) {
     return Invalid("sampling_params", std::string(s.message()));
   }
@@ -317,6 +337,7 @@ absl::Status LocalEngine::DeepHealthCheck(absl::Time deadline) {
   Pending p;
   p.prompt = {0};
   p.sampling.temperature = 0;
+  p.sampling.seed = 0;
   p.max_tokens = 1;
   p.ignore_eos = true;
   p.arrival = options_.clock();
@@ -389,12 +410,9 @@ void LocalEngine::Loop() {
     for (Pending& p : fresh) {
       const int64_t seq_id = p.seq_id;
       Live live;
-      absl::StatusOr<worker::Sampler> sampler = worker::Sampler::Create(p.sampling, p.prompt);
-      absl::Status added = sampler.status();
-      if (added.ok()) added = scheduler_.Add(seq_id, p.prompt, p.deadline);
+      absl::Status added = scheduler_.Add(seq_id, p.prompt, p.deadline);
       live.p = std::move(p);
       if (added.ok()) {
-        live.sampler.emplace(std::move(*sampler));
         if (live.p.text_output) {
           live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = true});
         }
@@ -454,13 +472,23 @@ void LocalEngine::Step() {
     if (!s.ok() && !absl::IsNotFound(s)) return OnExecutorFailure(s);
   }
   for (int64_t seq_id : out.admit) {
-    if (absl::Status s = executor_->AddSequence(seq_id); !s.ok()) return OnExecutorFailure(s);
+    // The sampling parameters travel once, with the sequence (also when a
+    // preempted or replayed sequence is admitted again: the ranks then
+    // observe its prompt + output so far again, and the same prompt_len
+    // keeps the penalties' output counts).
     Live& live = live_.at(seq_id);
+    const worker::SequenceSampling sampling{
+        .params = live.p.sampling, .prompt_len = static_cast<int64_t>(live.p.prompt.size())};
+    if (absl::Status s = executor_->AddSampledSequence(seq_id, sampling); !s.ok()) {
+      return OnExecutorFailure(s);
+    }
     if (!live.admitted) live.admitted = now;
   }
   if (out.batch.empty()) return;
   std::vector<worker::SequenceTokens> batch;
+  std::vector<uint8_t> sample;
   batch.reserve(out.batch.size());
+  sample.reserve(out.batch.size());
   for (const ScheduledChunk& c : out.batch) {
     // The scheduler's block table is authoritative: the ranks get exactly
     // these pages (remote executors send them with this forward).
@@ -470,10 +498,10 @@ void LocalEngine::Step() {
       }
     }
     batch.push_back({c.seq_id, c.tokens});
+    sample.push_back(c.needs_logits ? 1 : 0);
   }
   const absl::Time forward_start = options_.clock();
-  if (absl::Status s = executor_->Forward(batch, worker::LogitsRows::kLastToken, &logits_);
-      !s.ok()) {
+  if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens_); !s.ok()) {
     return OnExecutorFailure(s);
   }
   const absl::Time done = options_.clock();
@@ -481,8 +509,12 @@ void LocalEngine::Step() {
     const ScheduledChunk& c = out.batch[i];
     if (!c.needs_logits) continue;
     Live& live = live_.at(c.seq_id);
-    const std::span<const float> row(logits_.data() + i * vocab_size_, vocab_size_);
-    const worker::SampledToken token = live.sampler->Sample(row);
+    const worker::SampledToken& token = tokens_[i];
+    if (token.id < 0 || token.id >= vocab_size_) {
+      return OnExecutorFailure(absl::InternalError(
+          absl::StrCat("the ranks sampled token ", token.id, " for sequence ", c.seq_id,
+                       ", outside the vocabulary [0, ", vocab_size_, ")")));
+    }
     if (!OnToken(c.seq_id, live, token, done)) scheduler_.AppendToken(c.seq_id, token.id);
   }
   StepRecord step{.step = options_.clock() - now, .forward = done - forward_start};
@@ -529,6 +561,13 @@ bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken
     if (with_token) {
       chunk->add_token_ids(static_cast<uint32_t>(token.id));
       if (p.sampling.logprobs) chunk->add_logprobs(token.logprob);
+      if (p.sampling.top_logprobs > 0) {
+        v1::TopLogprobs* top = chunk->add_top_logprobs();
+        for (const worker::TokenLogprob& t : token.top_logprobs) {
+          top->add_token_ids(static_cast<uint32_t>(t.id));
+          top->add_logprobs(t.logprob);
+        }
+      }
     }
     chunk->set_text(std::move(text));
     chunk->set_prompt_tokens(static_cast<uint32_t>(p.prompt.size()));

@@ -208,7 +208,6 @@ class LocalEngine final : public Engine {
   // A request the scheduler thread owns.
   struct Live {
     Pending p;
-    std::optional<worker::Sampler> sampler;
     std::optional<StreamDecoder> decoder;
     std::optional<worker::StopStringMatcher> stops;
     std::vector<int32_t> output;
@@ -258,7 +257,7 @@ class LocalEngine final : public Engine {
   std::unique_ptr<worker::StepExecutor> executor_;
   Scheduler scheduler_;
   absl::flat_hash_map<int64_t, Live> live_;
-  std::vector<float> logits_;
+  std::vector<worker::SampledToken> tokens_;  // the last step's, per batch entry
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).
   uint64_t steps_ = 0;

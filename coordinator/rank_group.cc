@@ -162,7 +162,8 @@ class RemoteRankGroup::Impl {
   void OnMessage(const std::shared_ptr<Conn>& conn, const pb::RankMessage& message);
   void OnStreamEnded(const std::shared_ptr<Conn>& conn);
   void Monitor();
-  absl::Status RunStep(pb::Step step, std::vector<float>* logits);
+  absl::Status RunStep(pb::Step step, std::vector<float>* logits,
+                       std::vector<worker::SampledToken>* tokens = nullptr);
   absl::Status WaitReady(absl::Time deadline) const;
   RankGroupStatus Status() const;
   void Shutdown(const std::string& reason);
@@ -207,6 +208,7 @@ class RemoteRankGroup::Impl {
     std::vector<absl::Status> statuses;
     int remaining = 0;
     std::vector<float> logits;
+    std::vector<worker::SampledToken> tokens;  // rank 0's, sampled forwards
   };
 
   std::string Describe(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -509,7 +511,18 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
       }
       pending_->answered[r] = true;
       pending_->statuses[r] = FromProto(result.status());
-      if (r == 0) pending_->logits.assign(result.logits().begin(), result.logits().end());
+      if (r == 0) {
+        pending_->logits.assign(result.logits().begin(), result.logits().end());
+        pending_->tokens.resize(result.tokens_size());
+        for (int i = 0; i < result.tokens_size(); ++i) {
+          const pb::SampledTokenResult& t = result.tokens(i);
+          worker::SampledToken& out = pending_->tokens[i];
+          out.id = t.token_id();
+          out.logprob = t.logprob();
+          const int tops = std::min(t.top_ids_size(), t.top_logprobs_size());
+          for (int k = 0; k < tops; ++k) out.top_logprobs.push_back({t.top_ids(k), t.top_logprobs(k)});
+        }
+      }
       --pending_->remaining;
       changed_.SignalAll();
       return;
@@ -659,7 +672,8 @@ void RemoteRankGroup::Impl::Monitor() {
   }
 }
 
-absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* logits) {
+absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* logits,
+                                            std::vector<worker::SampledToken>* tokens) {
   uint64_t epoch = 0, id = 0;
   {
     Outbox out;
@@ -724,6 +738,7 @@ absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* l
     }
   }
   if (logits != nullptr) *logits = std::move(done.logits);
+  if (tokens != nullptr) *tokens = std::move(done.tokens);
   return absl::OkStatus();
 }
 
@@ -911,6 +926,60 @@ absl::Status RemoteRankGroup::AddSequence(int64_t seq_id) {
   pb::Step step;
   step.mutable_add_sequence()->set_seq_id(seq_id);
   return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::AddSampledSequence(int64_t seq_id,
+                                                 const worker::SequenceSampling& sampling) {
+  pb::Step step;
+  pb::AddSequence* add = step.mutable_add_sequence();
+  add->set_seq_id(seq_id);
+  pb::SamplingSpec* spec = add->mutable_sampling();
+  const worker::SamplingParams& p = sampling.params;
+  spec->set_temperature(p.temperature);
+  spec->set_top_k(p.top_k);
+  spec->set_top_p(p.top_p);
+  spec->set_min_p(p.min_p);
+  spec->set_repetition_penalty(p.repetition_penalty);
+  spec->set_presence_penalty(p.presence_penalty);
+  spec->set_frequency_penalty(p.frequency_penalty);
+  spec->set_seed(p.seed.value_or(0));
+  spec->set_logprobs(p.logprobs);
+  spec->set_top_logprobs(p.top_logprobs);
+  spec->set_prompt_len(sampling.prompt_len);
+  for (const auto& [id, bias] : p.logit_bias) (*spec->mutable_logit_bias())[id] += bias;
+  return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                                             std::span<const uint8_t> sample,
+                                             std::vector<worker::SampledToken>* tokens) {
+  if (sample.size() != batch.size()) {
+    return absl::InvalidArgumentError("sampled forward: one sample flag per batch entry");
+  }
+  pb::Step step;
+  pb::ForwardBatch* forward = step.mutable_forward();
+  forward->set_rows(pb::LOGITS_ROWS_LAST_TOKEN);
+  forward->set_sampled(true);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const worker::SequenceTokens& entry = batch[i];
+    pb::SequenceTokens* seq = forward->add_sequences();
+    seq->set_seq_id(entry.seq_id);
+    seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
+    seq->set_sample(sample[i] != 0);
+    auto staged = impl_->staged_pages_.find(entry.seq_id);
+    if (staged != impl_->staged_pages_.end()) {
+      seq->mutable_block_ids()->Assign(staged->second.begin(), staged->second.end());
+      impl_->staged_pages_.erase(staged);
+    }
+  }
+  std::vector<worker::SampledToken> received;
+  EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, &received));
+  if (received.size() != batch.size()) {
+    return absl::DataLossError(absl::StrCat("rank 0 returned ", received.size(),
+                                            " sampled tokens for a batch of ", batch.size()));
+  }
+  *tokens = std::move(received);
+  return absl::OkStatus();
 }
 
 absl::Status RemoteRankGroup::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {

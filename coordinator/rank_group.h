@@ -70,7 +70,7 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 2;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 3;
 
 // Who may register as a rank (the coordinator<->rank channel's security).
 // cert_file + key_file (PEM) turn TLS on for the rank endpoint; with
@@ -197,6 +197,10 @@ class RemoteRankGroup final : public worker::StepExecutor {
   // vocab_size() is 0 until the first group is ready.
   int64_t vocab_size() const override;
   absl::Status AddSequence(int64_t seq_id) override;
+  absl::Status AddSampledSequence(int64_t seq_id, const worker::SequenceSampling& sampling) override;
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override;
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override;

@@ -57,15 +57,25 @@ class GatedExecutor final : public worker::StepExecutor {
   }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {
-    {
-      absl::MutexLock lock(&mu_);
-      if (held_) {
-        parked_ = true;
-        mu_.Await(absl::Condition(+[](bool* held) { return !*held; }, &held_));
-        parked_ = false;
-      }
-    }
+    Gate();
     return inner_->Forward(batch, rows, logits);
+  }
+  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
+    return inner_->AddSampledSequence(id, s);
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override {
+    Gate();
+    return inner_->ForwardSampled(batch, sample, tokens);
+  }
+  void Gate() {
+    absl::MutexLock lock(&mu_);
+    if (held_) {
+      parked_ = true;
+      mu_.Await(absl::Condition(+[](bool* held) { return !*held; }, &held_));
+      parked_ = false;
+    }
   }
   void Hold() {
     absl::MutexLock lock(&mu_);
@@ -497,6 +507,18 @@ class DyingExecutor final : public worker::StepExecutor {
     for (size_t i = 0; i < batch.size(); ++i) (*logits)[i * 1000 + batch[i].seq_id % 1000] = 10;
     return absl::OkStatus();
   }
+  absl::Status AddSampledSequence(int64_t, const worker::SequenceSampling&) override {
+    return Check();
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t>,
+                              std::vector<worker::SampledToken>* tokens) override {
+    if (left_-- <= 0) dead_ = true;
+    if (dead_) return Check();
+    tokens->assign(batch.size(), worker::SampledToken{});
+    for (size_t i = 0; i < batch.size(); ++i) (*tokens)[i].id = batch[i].seq_id % 1000;
+    return absl::OkStatus();
+  }
 
  private:
   absl::Status Check() const {
@@ -537,10 +559,25 @@ class PageAuditExecutor final : public worker::StepExecutor {
     pages_assigned_ += static_cast<int64_t>(pages.size());
     return inner_->AssignPages(id, pages);
   }
+  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
+    return inner_->AddSampledSequence(id, s);
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override {
+    absl::Status s = inner_->ForwardSampled(batch, sample, tokens);
+    if (!s.ok()) return s;
+    Audit(batch);
+    return s;
+  }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {
     absl::Status s = inner_->Forward(batch, rows, logits);
     if (!s.ok()) return s;
+    Audit(batch);
+    return s;
+  }
+  void Audit(std::span<const worker::SequenceTokens> batch) {
     std::map<int64_t, int64_t> owner;
     int64_t held = 0;
     for (const auto& [id, table] : assigned_) {
@@ -554,7 +591,6 @@ class PageAuditExecutor final : public worker::StepExecutor {
     }
     if (inner_->cache().free_pages() != num_pages_ - held) ++mismatches_;
     ++audited_forwards_;
-    return s;
   }
   int64_t mismatches() const { return mismatches_.load(); }
   int64_t pages_assigned() const { return pages_assigned_.load(); }
@@ -661,6 +697,15 @@ class ReformingExecutor final : public worker::StepExecutor {
                        std::vector<float>* logits) override {
     if (!dead_ && left_-- <= 0) dead_ = true;
     return dead_ ? Dead() : inner_->Forward(batch, rows, logits);
+  }
+  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
+    return dead_ ? Dead() : inner_->AddSampledSequence(id, s);
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override {
+    if (!dead_ && left_-- <= 0) dead_ = true;
+    return dead_ ? Dead() : inner_->ForwardSampled(batch, sample, tokens);
   }
   absl::Status Recover(absl::Time) override {
     if (!recoverable_.load()) return absl::UnavailableError("rank 1 is still missing");

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "worker/model/counter_rng.h"
 #include "kernels/ops.h"
 #include "worker/model/sampler.h"
 
@@ -36,7 +37,6 @@ TEST(SamplerOpsParityTest, KernelSamplingEqualsTheSamplerWithoutPenalties) {
     params.seed = rng();
     absl::StatusOr<Sampler> sampler = Sampler::Create(params, {});
     ASSERT_TRUE(sampler.ok()) << sampler.status();
-    std::mt19937_64 draws(*params.seed);  // the sampler's RNG, replayed
     for (int step = 0; step < 20; ++step) {
       std::vector<float> z(vocab);
       for (float& x : z) x = logit(rng);
@@ -45,7 +45,8 @@ TEST(SamplerOpsParityTest, KernelSamplingEqualsTheSamplerWithoutPenalties) {
       std::vector<double> got(vocab, -1.0);
       kernels::SamplingDistribution(z.data(), vocab, f, got.data());
       ASSERT_EQ(got, expected) << "temperature " << f.temperature << " step " << step;
-      const double u = f.temperature == 0.0f ? 0.0 : static_cast<double>(draws() >> 11) * 0x1p-53;
+      // The sampler's draw for this position (empty prompt: position = step).
+      const double u = f.temperature == 0.0f ? 0.0 : CounterUniform(*params.seed, step);
       int32_t id = -1;
       ASSERT_TRUE(kernels::Sample(z.data(), 1, vocab, &f, &u, &id).ok());
       EXPECT_EQ(id, sampler->Sample(z).id) << "temperature " << f.temperature << " step " << step;

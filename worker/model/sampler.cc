@@ -7,6 +7,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "worker/model/counter_rng.h"
+#include <random>
 
 namespace exl3serve::worker {
 namespace {
@@ -43,6 +45,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& p) {
   if (p.top_logprobs < 0 || p.top_logprobs > kMaxTopLogprobs) {
     return Bad("top_logprobs", "in [0, 20]", p.top_logprobs);
   }
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) return Bad("logit_bias", "keyed by token ids >= 0", id);
+    if (!(bias >= -100.0f && bias <= 100.0f)) return Bad("logit_bias", "values in [-100, 100]", bias);
+  }
   return absl::OkStatus();
 }
 
@@ -52,13 +58,20 @@ absl::StatusOr<Sampler> Sampler::Create(const SamplingParams& params,
   Sampler sampler;
   sampler.params_ = params;
   for (int32_t id : prompt) sampler.seen_[id] = 1;
-  sampler.rng_.seed(params.seed.has_value() ? *params.seed : std::random_device{}());
+  sampler.position_ = static_cast<int64_t>(prompt.size());
+  if (params.seed.has_value()) {
+    sampler.seed_ = *params.seed;
+  } else {
+    std::random_device device;
+    sampler.seed_ = static_cast<uint64_t>(device()) << 32 | device();
+  }
   return sampler;
 }
 
 void Sampler::Accept(int32_t id) {
   seen_[id] = 1;
   ++output_counts_[id];
+  ++position_;
 }
 
 std::vector<double> Sampler::PenalizedLogits(std::span<const float> logits) const {
@@ -77,6 +90,9 @@ std::vector<double> Sampler::PenalizedLogits(std::span<const float> logits) cons
       z[id] -= static_cast<double>(params_.frequency_penalty) * count +
                static_cast<double>(params_.presence_penalty);
     }
+  }
+  for (const auto& [id, bias] : params_.logit_bias) {
+    if (id >= 0 && id < vocab) z[id] += bias;
   }
   return z;
 }
@@ -136,7 +152,7 @@ SampledToken Sampler::Sample(std::span<const float> logits) {
   if (params_.temperature == 0.0f) {
     token.id = ArgMax(p);
   } else {
-    const double u = static_cast<double>(rng_() >> 11) * 0x1p-53;  // [0, 1)
+    const double u = CounterUniform(seed_, position_);  // [0, 1)
     double cumulative = 0.0;
     token.id = -1;
     int32_t last_nonzero = 0;

@@ -10,15 +10,18 @@
 //   1. repetition: for every distinct token of prompt + output so far,
 //      z > 0 ? z / repetition_penalty : z · repetition_penalty;
 //   2. z -= frequency_penalty · count + presence_penalty · [count > 0], count
-//      over the output tokens only;
+//      over the output tokens only; then z += logit_bias[id];
 //   3. temperature 0: greedy (argmax, lowest id on ties) — nothing below applies;
 //      otherwise z / temperature, p = softmax(z);
 //   4. top-k: keep the k most probable (lowest id first on ties);
 //   5. top-p: in descending probability, keep a token while the mass before it
 //      (over the tokens still kept) is < top_p;
 //   6. min-p: keep tokens with p >= min_p · max p;
-//   7. draw from the kept tokens with p renormalised, u = 53 bits of a
-//      mt19937_64 seeded per request.
+//   7. draw from the kept tokens with p renormalised: the kept tokens in
+//      ascending id order partition [0, 1) and the one holding
+//      u = CounterUniform(seed, position) is drawn (counter_rng.h; position =
+//      prompt length + tokens sampled so far), so the draw of a position
+//      depends on nothing else. vocab_sampler.h computes the same on the ranks.
 // Log-probabilities are those of the raw logits (log-softmax before any
 // step above), as the OpenAI API reports them.
 #ifndef EXL3SERVE_WORKER_MODEL_SAMPLER_H_
@@ -26,7 +29,6 @@
 
 #include <cstdint>
 #include <optional>
-#include <random>
 #include <span>
 #include <vector>
 
@@ -43,7 +45,10 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;   // > 0; 1 = off
   float presence_penalty = 0.0f;     // [-2, 2]
   float frequency_penalty = 0.0f;    // [-2, 2]
-  std::optional<uint64_t> seed;      // none: seeded from std::random_device
+  // Added to the logit of a token id after the penalties, each in [-100, 100]
+  // (the OpenAI API's `logit_bias`).
+  std::vector<std::pair<int32_t, float>> logit_bias;
+  std::optional<uint64_t> seed;      // none: a random seed (std::random_device)
   bool logprobs = false;             // report the chosen token's log-probability
   int top_logprobs = 0;              // and the n most likely tokens' (0..20)
 };
@@ -82,6 +87,9 @@ class Sampler {
   // Records `id` as an output token without sampling (forced tokens).
   void Accept(int32_t id);
 
+  // The seed draws use (params.seed, or the one drawn at Create).
+  uint64_t seed() const { return seed_; }
+
  private:
   Sampler() = default;
   // Steps 1-2 applied to a copy of logits.
@@ -90,7 +98,8 @@ class Sampler {
   SamplingParams params_;
   absl::flat_hash_map<int32_t, int> seen_;          // prompt + output tokens (presence only)
   absl::flat_hash_map<int32_t, int> output_counts_;  // output tokens
-  std::mt19937_64 rng_;
+  uint64_t seed_ = 0;
+  int64_t position_ = 0;  // prompt length + tokens accepted so far
 };
 
 }  // namespace exl3serve::worker

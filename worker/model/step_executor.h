@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/transformer.h"
+#include "worker/model/vocab_sampler.h"
 
 namespace exl3serve::worker {
 
@@ -49,6 +50,26 @@ class StepExecutor {
     return absl::UnimplementedError("this executor allocates its own KV pages");
   }
 
+  // Rank-side sampling (vocab_sampler.h). A sequence added this way carries
+  // its sampling parameters for its whole life (set once, not per step) and
+  // is fed through ForwardSampled: only token ids — and logprobs when asked —
+  // come back from the ranks. AlreadyExists / InvalidArgument as
+  // AddSequence / VocabSampler::AddSequence. Unimplemented where the executor
+  // cannot sample.
+  virtual absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) {
+    return absl::UnimplementedError("this executor does not sample on its ranks");
+  }
+  // One forward of `batch` (last-token rows); for every entry i with
+  // sample[i] != 0, (*tokens)[i] is the token drawn for that sequence
+  // (tokens is resized to batch.size(); other entries are left default).
+  // Errors: Forward's; NotFound for a sampled entry not added with
+  // AddSampledSequence; InvalidArgument when sample.size() != batch.size().
+  virtual absl::Status ForwardSampled(std::span<const SequenceTokens> batch,
+                                      std::span<const uint8_t> sample,
+                                      std::vector<SampledToken>* tokens) {
+    return absl::UnimplementedError("this executor does not sample on its ranks");
+  }
+
   // The page layout of the executor's caches (every rank's), which the
   // coordinator's block allocator must equal; nullopt when unknown (fakes).
   virtual std::optional<KvCacheOptions> kv_options() const { return std::nullopt; }
@@ -64,21 +85,43 @@ class StepExecutor {
 
 // A Transformer of this process and a cache. Borrows the model (which must
 // outlive it); owns or borrows the cache.
+// One rank's sampled forward, shared by LocalStepExecutor and the rank
+// process (rank_executor.h): ForwardVocabSlice, then every sequence of the
+// batch observes its new tokens (penalty counts, positions), then the
+// entries with sample[i] draw (VocabSampler::Sample, collective under TP).
+// `slice` is scratch. Errors as StepExecutor::ForwardSampled.
+absl::Status RunSampledForward(const Transformer& model, PagedKvCache* cache,
+                               VocabSampler* sampler, std::span<const SequenceTokens> batch,
+                               std::span<const uint8_t> sample, std::vector<float>* slice,
+                               std::vector<SampledToken>* tokens);
+
+// A sampler over `model`'s vocabulary slice and communicator.
+VocabSampler MakeVocabSampler(const Transformer& model);
+
 class LocalStepExecutor final : public StepExecutor {
  public:
   LocalStepExecutor(const Transformer* model, PagedKvCache cache)
-      : model_(model), owned_(std::move(cache)), cache_(&*owned_) {}
+      : model_(model), owned_(std::move(cache)), cache_(&*owned_),
+        sampler_(MakeVocabSampler(*model)) {}
   LocalStepExecutor(const Transformer* model, PagedKvCache* cache)
-      : model_(model), cache_(cache) {}
+      : model_(model), cache_(cache), sampler_(MakeVocabSampler(*model)) {}
   LocalStepExecutor(const LocalStepExecutor&) = delete;
   LocalStepExecutor& operator=(const LocalStepExecutor&) = delete;
 
   int64_t vocab_size() const override { return model_->vocab_size(); }
   absl::Status AddSequence(int64_t seq_id) override { return cache_->AddSequence(seq_id); }
-  absl::Status RemoveSequence(int64_t seq_id) override { return cache_->RemoveSequence(seq_id); }
+  absl::Status RemoveSequence(int64_t seq_id) override {
+    sampler_.RemoveSequence(seq_id);
+    return cache_->RemoveSequence(seq_id);
+  }
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        std::vector<float>* logits) override {
     return model_->Forward(batch, rows, cache_, logits);
+  }
+  absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) override;
+  absl::Status ForwardSampled(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
+                              std::vector<SampledToken>* tokens) override {
+    return RunSampledForward(*model_, cache_, &sampler_, batch, sample, &slice_, tokens);
   }
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
     return cache_->AssignPages(seq_id, page_ids);
@@ -90,6 +133,8 @@ class LocalStepExecutor final : public StepExecutor {
   const Transformer* model_;
   std::optional<PagedKvCache> owned_;
   PagedKvCache* cache_;
+  VocabSampler sampler_;
+  std::vector<float> slice_;  // scratch of ForwardSampled
 };
 
 }  // namespace exl3serve::worker

@@ -388,6 +388,18 @@ absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& op
 
 absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                                   PagedKvCache* cache, std::vector<float>* logits) const {
+  return ForwardImpl(batch, rows, cache, /*gather_logits=*/true, logits);
+}
+
+absl::Status Transformer::ForwardVocabSlice(std::span<const SequenceTokens> batch,
+                                            LogitsRows rows, PagedKvCache* cache,
+                                            std::vector<float>* slice_logits) const {
+  return ForwardImpl(batch, rows, cache, /*gather_logits=*/false, slice_logits);
+}
+
+absl::Status Transformer::ForwardImpl(std::span<const SequenceTokens> batch, LogitsRows rows,
+                                      PagedKvCache* cache, bool gather_logits,
+                                      std::vector<float>* logits) const {
   const sharding::ModelArch& arch = config_.arch;
   if (batch.empty()) return absl::InvalidArgumentError("forward: empty batch");
   absl::flat_hash_set<int64_t> seen;
@@ -424,7 +436,7 @@ absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsR
   // Past validation every rank of a group runs the same collectives; a
   // failure on this rank alone (a kernel error) aborts the group so the peers
   // fail now instead of at their deadline.
-  absl::Status status = RunLayers(batch, rows, cache, starts, total, logits);
+  absl::Status status = RunLayers(batch, rows, cache, starts, total, gather_logits, logits);
   if (!status.ok()) {
     if (comm_ != nullptr) comm_->Abort(status);
     return status;
@@ -437,7 +449,8 @@ absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsR
 
 absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
                                     PagedKvCache* cache, const std::vector<int64_t>& starts,
-                                    int64_t total, std::vector<float>* logits) const {
+                                    int64_t total, bool gather_logits,
+                                    std::vector<float>* logits) const {
   const sharding::ModelArch& arch = config_.arch;
   const int64_t hidden = arch.hidden_size;
   const int64_t hd = arch.head_dim;
@@ -508,6 +521,10 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
                                         config_.rms_norm_eps, selected.data()));
   std::vector<float> local(static_cast<size_t>(out_rows * vocab_.size()));
   EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, local.data()));
+  if (!gather_logits) {
+    *logits = std::move(local);
+    return absl::OkStatus();
+  }
   EXL3_RETURN_IF_ERROR(GatherLogits(local, out_rows, logits));
   return absl::OkStatus();
 }

@@ -149,6 +149,21 @@ class Transformer {
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        PagedKvCache* cache, std::vector<float>* logits) const;
 
+  // As Forward, but *slice_logits gets only this rank's vocabulary rows
+  // (rows x vocab_slice width; the whole vocabulary without parallelism or
+  // with a replicated head): no logits cross the ranks. What rank-side
+  // sampling (vocab_sampler.h) consumes.
+  absl::Status ForwardVocabSlice(std::span<const SequenceTokens> batch, LogitsRows rows,
+                                 PagedKvCache* cache, std::vector<float>* slice_logits) const;
+
+  // This rank's vocabulary rows [first, second) of the head; the ranks'
+  // ranges tile [0, vocab_size) in rank order (or are all whole).
+  std::pair<int64_t, int64_t> vocab_slice() const { return {vocab_.begin, vocab_.end}; }
+  // The group's communicator (null for a single rank); borrowed.
+  comm::Communicator* communicator() const { return comm_; }
+  // How long one collective of this model may wait.
+  absl::Duration collective_timeout() const { return collective_timeout_; }
+
   // Bytes this process read from the checkpoint while loading.
   uint64_t bytes_read() const { return bytes_read_; }
 
@@ -197,7 +212,10 @@ class Transformer {
   // Forward after validation: embedding, layers, head.
   absl::Status RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
                          PagedKvCache* cache, const std::vector<int64_t>& starts, int64_t total,
-                         std::vector<float>* logits) const;
+                         bool gather_logits, std::vector<float>* logits) const;
+  absl::Status ForwardImpl(std::span<const SequenceTokens> batch, LogitsRows rows,
+                           PagedKvCache* cache, bool gather_logits,
+                           std::vector<float>* logits) const;
   // Sums `data` over the ranks (no-op on a single rank).
   absl::Status AllReduce(std::vector<float>& data) const;
   // The full logits from this rank's vocab rows (rows x vocab_begin..end).

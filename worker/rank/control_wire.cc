@@ -97,6 +97,18 @@ int64_t WireReader::I64() {
   Raw(&v, 8);
   return v;
 }
+int32_t WireReader::I32() {
+  int32_t v = 0;
+  Raw(&v, 4);
+  return v;
+}
+
+float WireReader::F32() {
+  float v = 0;
+  Raw(&v, 4);
+  return v;
+}
+
 uint64_t WireReader::U64() {
   uint64_t v = 0;
   Raw(&v, 8);
@@ -194,6 +206,103 @@ absl::Status ReadStatus(WireReader& r) {
     return absl::DataLossError(absl::StrCat("control: unknown status code ", code));
   }
   return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+namespace {
+constexpr uint32_t kMaxTopLogprobsOnWire = 20;
+constexpr uint32_t kMaxLogitBiasOnWire = 1u << 20;
+}  // namespace
+
+void EncodeSequenceSampling(const SequenceSampling& sampling, WireWriter* w) {
+  const SamplingParams& p = sampling.params;
+  w->F32(p.temperature);
+  w->I32(p.top_k);
+  w->F32(p.top_p);
+  w->F32(p.min_p);
+  w->F32(p.repetition_penalty);
+  w->F32(p.presence_penalty);
+  w->F32(p.frequency_penalty);
+  w->U8(p.seed.has_value() ? 1 : 0);
+  w->U64(p.seed.value_or(0));
+  w->U8(p.logprobs ? 1 : 0);
+  w->I32(p.top_logprobs);
+  w->I64(sampling.prompt_len);
+  w->U32(static_cast<uint32_t>(p.logit_bias.size()));
+  for (const auto& [id, bias] : p.logit_bias) {
+    w->I32(id);
+    w->F32(bias);
+  }
+}
+
+absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out) {
+  SamplingParams& p = out->params;
+  p.temperature = in->F32();
+  p.top_k = in->I32();
+  p.top_p = in->F32();
+  p.min_p = in->F32();
+  p.repetition_penalty = in->F32();
+  p.presence_penalty = in->F32();
+  p.frequency_penalty = in->F32();
+  const bool has_seed = in->U8() != 0;
+  const uint64_t seed = in->U64();
+  if (has_seed) p.seed = seed;
+  p.logprobs = in->U8() != 0;
+  p.top_logprobs = in->I32();
+  out->prompt_len = in->I64();
+  const uint32_t n = in->U32();
+  if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated");
+  if (n > kMaxLogitBiasOnWire) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling parameters: ", n,
+                                                   " logit_bias entries (at most ",
+                                                   kMaxLogitBiasOnWire, ")"));
+  }
+  p.logit_bias.clear();
+  for (uint32_t i = 0; i < n && in->ok(); ++i) {
+    const int32_t id = in->I32();
+    const float bias = in->F32();
+    p.logit_bias.emplace_back(id, bias);
+  }
+  if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated logit_bias");
+  return absl::OkStatus();
+}
+
+void EncodeSampledTokens(std::span<const SampledToken> tokens, WireWriter* w) {
+  w->U32(static_cast<uint32_t>(tokens.size()));
+  for (const SampledToken& t : tokens) {
+    w->I32(t.id);
+    w->F32(t.logprob);
+    w->U8(static_cast<uint8_t>(t.top_logprobs.size()));
+    for (const TokenLogprob& top : t.top_logprobs) {
+      w->I32(top.id);
+      w->F32(top.logprob);
+    }
+  }
+}
+
+absl::Status DecodeSampledTokens(WireReader* in, std::vector<SampledToken>* out) {
+  const uint32_t n = in->U32();
+  if (!in->ok() || n > kMaxFrameBytes / 9) {
+    return absl::InvalidArgumentError("sampled tokens: malformed count");
+  }
+  out->assign(n, SampledToken{});
+  for (uint32_t i = 0; i < n && in->ok(); ++i) {
+    SampledToken& t = (*out)[i];
+    t.id = in->I32();
+    t.logprob = in->F32();
+    const uint32_t tops = in->U8();
+    if (tops > kMaxTopLogprobsOnWire) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sampled tokens: ", tops, " top logprobs (at most 20)"));
+    }
+    for (uint32_t k = 0; k < tops && in->ok(); ++k) {
+      TokenLogprob top;
+      top.id = in->I32();
+      top.logprob = in->F32();
+      t.top_logprobs.push_back(top);
+    }
+  }
+  if (!in->ok()) return absl::InvalidArgumentError("sampled tokens: truncated");
+  return absl::OkStatus();
 }
 
 }  // namespace exl3serve::worker::rank

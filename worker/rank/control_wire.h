@@ -11,6 +11,7 @@
 #define EXL3SERVE_WORKER_RANK_CONTROL_WIRE_H_
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -18,11 +19,13 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "worker/model/vocab_sampler.h"
 
 namespace exl3serve::worker::rank {
 
 // 2: forwards carry the pages the driver assigned; the hello reports the KV layout.
-inline constexpr uint32_t kControlWireVersion = 2;
+// 3: sequences that sample on the ranks (kAddSampledSequence, kForwardSampled).
+inline constexpr uint32_t kControlWireVersion = 3;
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
@@ -32,6 +35,9 @@ enum class ControlOp : uint8_t {
   kForward = 3,         // u8 rows (0 last token, 1 all), u32 n,
                         // n x {i64 seq, i32[] tokens, i32[] newly assigned pages}
   kShutdown = 4,        // no payload; the rank replies OK and exits 0
+  kAddSampledSequence = 5,  // i64 seq_id, then EncodeSequenceSampling
+  kForwardSampled = 6,      // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample};
+                            // rank 0 replies EncodeSampledTokens of the n entries
 };
 
 class WireWriter {
@@ -40,6 +46,8 @@ class WireWriter {
   void U32(uint32_t v) { Raw(&v, 4); }
   void I64(int64_t v) { Raw(&v, 8); }
   void U64(uint64_t v) { Raw(&v, 8); }
+  void I32(int32_t v) { Raw(&v, 4); }
+  void F32(float v) { Raw(&v, 4); }
   void Str(std::string_view s);
   void I32s(const int32_t* v, size_t n);
   void F32s(const float* v, size_t n);
@@ -60,6 +68,8 @@ class WireReader {
   uint32_t U32();
   int64_t I64();
   uint64_t U64();
+  int32_t I32();
+  float F32();
   std::string Str();
   std::vector<int32_t> I32s();
   std::vector<float> F32s();
@@ -76,6 +86,15 @@ class WireReader {
   size_t pos_ = 0;
   bool ok_ = true;
 };
+
+// Rank-side sampling on the wire (worker/model/vocab_sampler.h): a
+// sequence's sampling parameters, and the tokens a sampled forward drew.
+// Decoding fails (InvalidArgument naming the field) on truncated input or
+// counts beyond the limits (top_logprobs <= 20, logit_bias <= 1<<20 entries).
+void EncodeSequenceSampling(const SequenceSampling& sampling, WireWriter* w);
+absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out);
+void EncodeSampledTokens(std::span<const SampledToken> tokens, WireWriter* w);
+absl::Status DecodeSampledTokens(WireReader* in, std::vector<SampledToken>* out);
 
 // Writes one frame, all of it, by `deadline`. Errors: Unavailable when the
 // peer has gone (EPIPE/ECONNRESET; SIGPIPE is not raised), DeadlineExceeded.

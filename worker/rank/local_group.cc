@@ -359,6 +359,48 @@ absl::Status LocalGroup::AddSequence(int64_t seq_id) {
   return RoundTrip(w.data(), step_timeout_, nullptr);
 }
 
+absl::Status LocalGroup::AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) {
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kAddSampledSequence));
+  w.I64(seq_id);
+  EncodeSequenceSampling(sampling, &w);
+  return RoundTrip(w.data(), step_timeout_, nullptr);
+}
+
+absl::Status LocalGroup::ForwardSampled(std::span<const SequenceTokens> batch,
+                                        std::span<const uint8_t> sample,
+                                        std::vector<SampledToken>* tokens) {
+  if (sample.size() != batch.size()) {
+    return absl::InvalidArgumentError("sampled forward: one sample flag per batch entry");
+  }
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kForwardSampled));
+  w.U32(static_cast<uint32_t>(batch.size()));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const SequenceTokens& entry = batch[i];
+    w.I64(entry.seq_id);
+    w.I32s(entry.tokens.data(), entry.tokens.size());
+    auto staged = staged_pages_.find(entry.seq_id);
+    if (staged == staged_pages_.end()) {
+      w.I32s(nullptr, 0);
+    } else {
+      w.I32s(staged->second.data(), staged->second.size());
+      staged_pages_.erase(staged);
+    }
+    w.U8(sample[i]);
+  }
+  std::string body;
+  EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
+  WireReader in(body);
+  absl::Status s = DecodeSampledTokens(&in, tokens);
+  if (s.ok()) s = in.Finish("rank 0 sampled tokens");
+  if (s.ok() && tokens->size() != batch.size()) {
+    s = absl::InvalidArgumentError("rank 0 answered for another batch size");
+  }
+  if (!s.ok()) return Break(absl::DataLossError(s.message()));
+  return absl::OkStatus();
+}
+
 absl::Status LocalGroup::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
   if (!broken_.ok()) return broken_;
   std::vector<int32_t>& staged = staged_pages_[seq_id];

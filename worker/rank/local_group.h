@@ -96,6 +96,9 @@ class LocalGroup final : public StepExecutor {
 
   int64_t vocab_size() const override { return vocab_size_; }
   absl::Status AddSequence(int64_t seq_id) override;
+  absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) override;
+  absl::Status ForwardSampled(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
+                              std::vector<SampledToken>* tokens) override;
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        std::vector<float>* logits) override;

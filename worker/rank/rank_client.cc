@@ -51,6 +51,26 @@ void SetStatus(const absl::Status& status, pb::RankStatus* out) {
   out->set_message(std::string(status.message()));
 }
 
+SequenceSampling SamplingFromProto(const pb::SamplingSpec& spec) {
+  SequenceSampling out;
+  SamplingParams& p = out.params;
+  p.temperature = spec.temperature();
+  p.top_k = spec.top_k();
+  p.top_p = spec.top_p();
+  p.min_p = spec.min_p();
+  p.repetition_penalty = spec.repetition_penalty();
+  p.presence_penalty = spec.presence_penalty();
+  p.frequency_penalty = spec.frequency_penalty();
+  p.seed = spec.seed();
+  p.logprobs = spec.logprobs();
+  p.top_logprobs = spec.top_logprobs();
+  // Ascending ids: every rank applies the bias in the same order.
+  for (const auto& [id, bias] : spec.logit_bias()) p.logit_bias.emplace_back(id, bias);
+  std::sort(p.logit_bias.begin(), p.logit_bias.end());
+  out.prompt_len = spec.prompt_len();
+  return out;
+}
+
 absl::StatusOr<KvCacheDtype> KvDtype(int bits) {
   if (bits == 0) return KvCacheDtype::kFp16;
   return KvCacheDtypeFromBits(bits);
@@ -376,6 +396,7 @@ class Session {
       RankCommand command;
       absl::Status status;
       std::vector<float> logits;
+      std::vector<SampledToken> sampled;
       if (step.group_generation() != group_generation_) {
         // Every rank of the group sees the same step, so all refuse it alike.
         status = absl::AbortedError(absl::StrCat(
@@ -393,6 +414,9 @@ class Session {
         case pb::Step::kAddSequence:
           command.op = RankCommand::Op::kAddSequence;
           command.seq_id = step.add_sequence().seq_id();
+          if (step.add_sequence().has_sampling()) {
+            command.sampling = SamplingFromProto(step.add_sequence().sampling());
+          }
           break;
         case pb::Step::kRemoveSequence:
           command.op = RankCommand::Op::kRemoveSequence;
@@ -401,7 +425,16 @@ class Session {
         case pb::Step::kForward: {
           command.op = RankCommand::Op::kForward;
           const pb::ForwardBatch& forward = step.forward();
-          if (forward.rows() == pb::LOGITS_ROWS_LAST_TOKEN) {
+          if (forward.sampled()) {
+            command.rows = LogitsRows::kLastToken;
+            for (const pb::SequenceTokens& seq : forward.sequences()) {
+              command.batch_sample.push_back(seq.sample() ? 1 : 0);
+            }
+            if (command.batch_sample.empty()) {
+              status = absl::InvalidArgumentError(
+                  absl::StrCat("step ", step.step_id(), ": a sampled forward with no sequences"));
+            }
+          } else if (forward.rows() == pb::LOGITS_ROWS_LAST_TOKEN) {
             command.rows = LogitsRows::kLastToken;
           } else if (forward.rows() == pb::LOGITS_ROWS_ALL_TOKENS) {
             command.rows = LogitsRows::kAllTokens;
@@ -423,12 +456,24 @@ class Session {
       absl::Duration forward_time;
       if (status.ok()) {
         const absl::Time forward_start = absl::Now();
-        status = ExecuteRankCommand(loaded, command, &logits);
+        status = ExecuteRankCommand(loaded, command, &logits, &sampled);
         forward_time = absl::Now() - forward_start;
       }
       SetStatus(status, result->mutable_status());
       if (status.ok() && loaded.rank == 0 && command.op == RankCommand::Op::kForward) {
-        result->mutable_logits()->Assign(logits.begin(), logits.end());
+        if (!command.batch_sample.empty()) {
+          for (size_t i = 0; i < sampled.size(); ++i) {
+            pb::SampledTokenResult* t = result->add_tokens();
+            t->set_token_id(command.batch_sample[i] != 0 ? sampled[i].id : -1);
+            if (sampled[i].logprob != 0.0f) t->set_logprob(sampled[i].logprob);
+            for (const TokenLogprob& top : sampled[i].top_logprobs) {
+              t->add_top_ids(top.id);
+              t->add_top_logprobs(top.logprob);
+            }
+          }
+        } else {
+          result->mutable_logits()->Assign(logits.begin(), logits.end());
+        }
       }
       result->set_forward_ns(absl::ToInt64Nanoseconds(forward_time));
       result->set_total_ns(absl::ToInt64Nanoseconds(absl::Now() - start));

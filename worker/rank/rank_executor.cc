@@ -78,16 +78,30 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
   loaded.bytes_read = loaded.model->bytes_read();
   EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, loaded.model->CreateKvCache(setup.kv));
   loaded.cache.emplace(std::move(cache));
+  loaded.sampler.emplace(MakeVocabSampler(*loaded.model));
   EXL3_RETURN_IF_ERROR(loaded.comm->Barrier(absl::Now() + setup.join_timeout));
   return loaded;
 }
 
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
-                                std::vector<float>* logits) {
+                                std::vector<float>* logits, std::vector<SampledToken>* tokens) {
   switch (command.op) {
-    case RankCommand::Op::kAddSequence:
-      return rank.cache->AddSequence(command.seq_id);
+    case RankCommand::Op::kAddSequence: {
+      if (!command.sampling.has_value()) return rank.cache->AddSequence(command.seq_id);
+      if (rank.sampler->HasSequence(command.seq_id)) {
+        return absl::AlreadyExistsError(
+            absl::StrCat("sequence ", command.seq_id, " already exists"));
+      }
+      EXL3_RETURN_IF_ERROR(rank.cache->AddSequence(command.seq_id));
+      if (absl::Status s = rank.sampler->AddSequence(command.seq_id, *command.sampling);
+          !s.ok()) {
+        (void)rank.cache->RemoveSequence(command.seq_id);
+        return s;
+      }
+      return absl::OkStatus();
+    }
     case RankCommand::Op::kRemoveSequence:
+      rank.sampler->RemoveSequence(command.seq_id);
       return rank.cache->RemoveSequence(command.seq_id);
     case RankCommand::Op::kForward: {
       if (command.batch_seq_ids.size() != command.batch_tokens.size()) {
@@ -109,8 +123,14 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
       }
       std::vector<float> scratch;
       const absl::Time start = absl::Now();
-      absl::Status status =
-          rank.model->Forward(batch, command.rows, &*rank.cache, logits ? logits : &scratch);
+      absl::Status status;
+      if (!command.batch_sample.empty()) {
+        std::vector<SampledToken> drawn;
+        status = RunSampledForward(*rank.model, &*rank.cache, &*rank.sampler, batch,
+                                   command.batch_sample, &scratch, tokens ? tokens : &drawn);
+      } else {
+        status = rank.model->Forward(batch, command.rows, &*rank.cache, logits ? logits : &scratch);
+      }
       if (rank.observer != nullptr) {
         int64_t tokens = 0, single = 0;
         for (const auto& t : command.batch_tokens) {

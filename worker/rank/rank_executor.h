@@ -24,6 +24,8 @@
 #include "worker/comm/timed_communicator.h"
 #include "worker/model/kv_cache.h"
 #include "worker/model/transformer.h"
+#include "worker/model/step_executor.h"
+#include "worker/model/vocab_sampler.h"
 
 namespace exl3serve::worker::rank {
 
@@ -87,6 +89,8 @@ struct LoadedRank {
   std::unique_ptr<comm::Communicator> comm;
   std::unique_ptr<Transformer> model;
   std::optional<PagedKvCache> cache;
+  // Rank-side sampling over this rank's vocabulary slice (made by LoadRank).
+  std::optional<VocabSampler> sampler;
   uint64_t bytes_read = 0;
   uint64_t planned_bytes = 0;
   RankObserver* observer = nullptr;  // RankSetup::observer
@@ -106,6 +110,8 @@ struct RankCommand {
   enum class Op { kAddSequence, kRemoveSequence, kForward };
   Op op = Op::kForward;
   int64_t seq_id = 0;                  // kAddSequence, kRemoveSequence
+  // kAddSequence: set for a sequence that samples on the ranks.
+  std::optional<SequenceSampling> sampling;
   std::vector<int64_t> batch_seq_ids;  // kForward: the batch, in order
   std::vector<std::vector<int32_t>> batch_tokens;
   // kForward: per batch entry, the KV pages the coordinator assigned to the
@@ -113,6 +119,9 @@ struct RankCommand {
   // Empty, or one list per entry.
   std::vector<std::vector<int32_t>> batch_new_pages;
   LogitsRows rows = LogitsRows::kLastToken;
+  // kForward: non-empty = a sampled forward (RunSampledForward): one flag per
+  // entry, the entries with a flag draw a token; no logits are returned.
+  std::vector<uint8_t> batch_sample;
 };
 
 // Executes `command` on `rank`. For kForward, the new pages are assigned
@@ -124,8 +133,12 @@ struct RankCommand {
 // pages), InvalidArgument for mismatched list counts, and the forward's (a
 // collective failure when peers are lost). Validation errors happen before
 // any collective, identically on every rank.
+// A sampled forward (batch_sample non-empty) fills *tokens instead (every
+// rank draws the same tokens); `tokens` may be null on ranks that do not
+// report them.
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
-                                std::vector<float>* logits);
+                                std::vector<float>* logits,
+                                std::vector<SampledToken>* tokens = nullptr);
 
 }  // namespace exl3serve::worker::rank
 

@@ -58,6 +58,37 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       if (rank.rank == 0) reply->F32s(logits.data(), logits.size());
       return absl::OkStatus();
     }
+    case ControlOp::kAddSampledSequence: {
+      command.op = RankCommand::Op::kAddSequence;
+      command.seq_id = in.I64();
+      SequenceSampling sampling;
+      EXL3_RETURN_IF_ERROR(DecodeSequenceSampling(&in, &sampling));
+      EXL3_RETURN_IF_ERROR(in.Finish("add-sampled-sequence"));
+      command.sampling = std::move(sampling);
+      return ExecuteRankCommand(rank, command, nullptr);
+    }
+    case ControlOp::kForwardSampled: {
+      const uint32_t n = in.U32();
+      if (!in.ok() || n > kMaxFrameBytes / 13) {
+        return absl::InvalidArgumentError("sampled forward: malformed batch header");
+      }
+      command.op = RankCommand::Op::kForward;
+      command.batch_seq_ids.resize(n);
+      command.batch_tokens.resize(n);
+      command.batch_new_pages.resize(n);
+      command.batch_sample.resize(n);
+      for (uint32_t i = 0; i < n && in.ok(); ++i) {
+        command.batch_seq_ids[i] = in.I64();
+        command.batch_tokens[i] = in.I32s();
+        command.batch_new_pages[i] = in.I32s();
+        command.batch_sample[i] = in.U8();
+      }
+      EXL3_RETURN_IF_ERROR(in.Finish("sampled forward"));
+      std::vector<SampledToken> tokens;
+      EXL3_RETURN_IF_ERROR(ExecuteRankCommand(rank, command, nullptr, &tokens));
+      if (rank.rank == 0) EncodeSampledTokens(tokens, reply);
+      return absl::OkStatus();
+    }
     case ControlOp::kShutdown:
       EXL3_RETURN_IF_ERROR(in.Finish("shutdown"));
       *shutdown = true;

@@ -1,0 +1,98 @@
+// The AVX2 + FMA path of sampling_math.h: the same fp32 operations as
+// ExpShifted (fused where it fuses), the same fp64 lanes (i mod 8).
+#include <immintrin.h>
+
+#include "worker/model/sampling_math.h"
+
+namespace exl3serve::worker::sampling_internal {
+namespace {
+
+inline __m256 Exp8(__m256 x, __m256 m, __m256 inv_t) {
+  const __m256 t = _mm256_mul_ps(_mm256_sub_ps(x, m), inv_t);
+  const __m256 keep = _mm256_cmp_ps(t, _mm256_set1_ps(-87.33654f), _CMP_GE_OQ);
+  const __m256 n = _mm256_floor_ps(
+      _mm256_add_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+  // Lanes below the cutoff may hold any n; clamp before building 2^n.
+  const __m256 nc = _mm256_max_ps(n, _mm256_set1_ps(-127.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(nc), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), keep);
+}
+
+}  // namespace
+
+double SumExpShiftedAvx2(const float* x, int64_t n, float m, float inv_t) {
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t);
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = Exp8(_mm256_loadu_ps(x + i), vm, vt);
+    lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+  }
+  double lane[8];
+  _mm256_storeu_pd(lane, lo);
+  _mm256_storeu_pd(lane + 4, hi);
+  for (; i < n; ++i) lane[i & 7] += ExpShifted(x[i], m, inv_t);
+  double sum = 0.0;
+  for (double v : lane) sum += v;
+  return sum;
+}
+
+int64_t FindCumulativeExpAvx2(const float* x, int64_t n, float m, float inv_t, double target) {
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t);
+  double sum = 0.0;
+  int64_t last = -1;
+  float e[8];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(e, Exp8(_mm256_loadu_ps(x + i), vm, vt));
+    for (int j = 0; j < 8; ++j) {
+      if (e[j] <= 0.0f) continue;
+      last = i + j;
+      sum += e[j];
+      if (sum > target) return i + j;
+    }
+  }
+  for (; i < n; ++i) {
+    const float v = ExpShifted(x[i], m, inv_t);
+    if (v <= 0.0f) continue;
+    last = i;
+    sum += v;
+    if (sum > target) return i;
+  }
+  return last;
+}
+
+SliceMax MaxOfSliceAvx2(const float* x, int64_t n) {
+  if (n < 16) return MaxOfSliceScalar(x, n);
+  __m256 best = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(_mm256_loadu_ps(x + i), best);  // a NaN x keeps best
+  float lanes[8];
+  _mm256_storeu_ps(lanes, best);
+  float value = -INFINITY;
+  for (float v : lanes) value = v > value ? v : value;
+  for (; i < n; ++i) value = x[i] > value ? x[i] : value;
+  SliceMax out;
+  out.value = value;
+  for (int64_t j = 0; j < n; ++j) {
+    if (x[j] == value) {
+      out.index = j;
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace exl3serve::worker::sampling_internal
