@@ -1,7 +1,7 @@
 // `exl3serve bench-serve --addr A --concurrency C --prompt-len P --gen-len G
 // [--requests R]`: a load test of a running server over its public gRPC API.
 // C client threads each run streams back to back (R in all) of random
-// token-id prompts of P tokens, greedy, ignore_eos, max_tokens G, and the
+// token-id prompts of P tokens, greedy (or --temperature/--top-p/--top-k, seeded per request), ignore_eos, max_tokens G, and the
 // program prints a table: requests, output throughput (tokens/s), time to
 // first token and inter-token latency p50/p99, and the coordinator's own
 // time per step as a fraction of step time (from GetServerInfo's cumulative
@@ -107,6 +107,9 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     int requests = 0;
     int64_t vocab = 0;
     uint64_t seed = 1;
+    float temperature = 0.0f;
+    float top_p = 1.0f;
+    int top_k = 0;
     int64_t timeout_s = 600;
     ClientCredentialOptions credentials;
   };
@@ -122,6 +125,10 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
   app.add_option("--requests", args->requests, "requests in all (default: 4 x concurrency)");
   app.add_option("--vocab", args->vocab, "prompt ids are drawn from [0, vocab) (default: the model's)");
   app.add_option("--seed", args->seed, "seed of the random prompts")->capture_default_str();
+  app.add_option("--temperature", args->temperature, "sampling temperature (0 = greedy)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  app.add_option("--top-p", args->top_p, "nucleus sampling mass")->capture_default_str();
+  app.add_option("--top-k", args->top_k, "top-k sampling (0 = off)")->capture_default_str();
   app.add_option("--timeout-s", args->timeout_s, "deadline of each stream")->capture_default_str();
   return [args]() -> absl::Status {
     const int requests = args->requests > 0 ? args->requests : 4 * args->concurrency;
@@ -154,7 +161,10 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
       }
       req.mutable_sampling_params()->set_max_tokens(args->gen_len);
       req.mutable_sampling_params()->set_ignore_eos(true);
-      req.mutable_sampling_params()->set_temperature(0.0f);
+      req.mutable_sampling_params()->set_temperature(args->temperature);
+      req.mutable_sampling_params()->set_top_p(args->top_p);
+      req.mutable_sampling_params()->set_top_k(args->top_k);
+      req.mutable_sampling_params()->set_seed(args->seed * 1000003 + r);
     }
 
     EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse before, ServerInfo(*stub, args->credentials));
@@ -206,6 +216,14 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
                   1e3 * step_s / steps);
       std::printf("  %-28s %.2f %% (%.3f of %.3f s)\n", "coordinator time / step", 100.0 * coord_s / step_s,
                   coord_s, step_s);
+      const uint64_t bytes = after.rank_result_bytes_total() - before.rank_result_bytes_total();
+      const uint64_t sampled = after.sampled_sequences_total() - before.sampled_sequences_total();
+      if (bytes > 0 && sampled > 0) {
+        std::printf("  %-28s %.0f B / step, %.1f B / sampled sequence\n", "rank 0 -> coordinator",
+                    static_cast<double>(bytes) / steps, static_cast<double>(bytes) / sampled);
+      } else {
+        std::printf("  %-28s n/a (in-process model: nothing crosses)\n", "rank 0 -> coordinator");
+      }
     } else {
       std::printf("  %-28s n/a\n", "engine steps");
       std::printf("  %-28s n/a (the engine does not report step times)\n", "coordinator time / step");

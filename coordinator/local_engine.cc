@@ -321,6 +321,8 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_num_steps(stat_steps_);
   info.set_step_seconds_total(stat_step_seconds_);
   info.set_coordinator_seconds_total(stat_coordinator_seconds_);
+  info.set_rank_result_bytes_total(stat_result_bytes_);
+  info.set_sampled_sequences_total(stat_sampled_sequences_);
   return info;
 }
 
@@ -509,6 +511,7 @@ void LocalEngine::Step() {
     const ScheduledChunk& c = out.batch[i];
     if (!c.needs_logits) continue;
     Live& live = live_.at(c.seq_id);
+    ++sampled_sequences_;
     const worker::SampledToken& token = tokens_[i];
     if (token.id < 0 || token.id >= vocab_size_) {
       return OnExecutorFailure(absl::InternalError(
@@ -716,6 +719,8 @@ void LocalEngine::PublishStats() {
   stat_preemptions_ = scheduler_.num_preemptions();
   stat_idle_ = scheduler_.empty();
   stat_steps_ = steps_;
+  stat_result_bytes_ = executor_->result_bytes_received();
+  stat_sampled_sequences_ = sampled_sequences_;
   stat_step_seconds_ = step_seconds_;
   stat_coordinator_seconds_ = coordinator_seconds_;
 }

@@ -261,6 +261,7 @@ class LocalEngine final : public Engine {
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).
   uint64_t steps_ = 0;
+  uint64_t sampled_sequences_ = 0;
   double step_seconds_ = 0, coordinator_seconds_ = 0;
 
   // --- Guarded by mu_ ---
@@ -283,6 +284,8 @@ class LocalEngine final : public Engine {
   uint64_t stat_steps_ ABSL_GUARDED_BY(mu_) = 0;
   double stat_step_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   double stat_coordinator_seconds_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_result_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread thread_;  // the scheduler thread; joined by Shutdown
   absl::Mutex join_mu_;  // serialises Shutdown's join

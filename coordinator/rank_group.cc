@@ -179,6 +179,10 @@ class RemoteRankGroup::Impl {
     absl::MutexLock lock(&mu_);
     return generation_;
   }
+  uint64_t result_bytes() const {
+    absl::MutexLock lock(&mu_);
+    return result_bytes_;
+  }
   int64_t vocab_size() const {
     absl::MutexLock lock(&mu_);
     return vocab_size_;
@@ -236,6 +240,7 @@ class RemoteRankGroup::Impl {
   // generation they live in. A step while they are non-empty and the group
   // has moved to another generation fails Aborted (replay needed).
   absl::flat_hash_set<int64_t> session_seqs_ ABSL_GUARDED_BY(mu_);
+  uint64_t result_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // rank 0's step results
   uint64_t session_generation_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread monitor_;
 
@@ -512,6 +517,7 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
       pending_->answered[r] = true;
       pending_->statuses[r] = FromProto(result.status());
       if (r == 0) {
+        result_bytes_ += result.ByteSizeLong();
         pending_->logits.assign(result.logits().begin(), result.logits().end());
         pending_->tokens.resize(result.tokens_size());
         for (int i = 0; i < result.tokens_size(); ++i) {
@@ -926,6 +932,10 @@ absl::Status RemoteRankGroup::AddSequence(int64_t seq_id) {
   pb::Step step;
   step.mutable_add_sequence()->set_seq_id(seq_id);
   return impl_->RunStep(std::move(step), nullptr);
+}
+
+uint64_t RemoteRankGroup::result_bytes_received() const {
+  return impl_->result_bytes();
 }
 
 absl::Status RemoteRankGroup::AddSampledSequence(int64_t seq_id,

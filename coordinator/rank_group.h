@@ -197,6 +197,7 @@ class RemoteRankGroup final : public worker::StepExecutor {
   // vocab_size() is 0 until the first group is ready.
   int64_t vocab_size() const override;
   absl::Status AddSequence(int64_t seq_id) override;
+  uint64_t result_bytes_received() const override;
   absl::Status AddSampledSequence(int64_t seq_id, const worker::SequenceSampling& sampling) override;
   absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
                               std::span<const uint8_t> sample,

@@ -19,6 +19,12 @@ BUILD/python. Subcommands (all take --addr and --stubs):
                               GetServerInfo answers, with that readiness, at
                               least N replays and those ranks up / down
   one      --refs FILE        stream 0 alone again equals its reference
+  same     A.json B.json      two reference files hold the same tokens
+
+--sampled (before the subcommand): every request samples (temperature 0.8,
+top-p 0.9, top-k 50, repetition 1.1, presence 0.3, frequency 0.2) with seed
+1000 + its stream index instead of greedy decoding. --kill-pid 0: no kill
+(all streams at once only, the "inside a batch" check).
 
 Prints one line per check; exits 1 on the first failure.
 """
@@ -50,7 +56,8 @@ class Stream:
 
     def __init__(self, client, index, ids, max_tokens):
         self.index = index
-        self.req = client.request(ids, max_tokens, request_id=f"replay-{index}-{time.time_ns()}")
+        self.req = client.request(ids, max_tokens, request_id=f"replay-{index}-{time.time_ns()}",
+                                  seed=1000 + index)
         self.client = client
         self.first = threading.Event()
         self.ids = []
@@ -82,7 +89,8 @@ class Stream:
 
 
 class Client:
-    def __init__(self, addr, stubs):
+    def __init__(self, addr, stubs, sampled=False):
+        self.sampled = sampled
         sys.path.insert(0, stubs)
         from exl3serve.v1 import generation_pb2 as pb
         from exl3serve.v1 import generation_pb2_grpc as pb_grpc
@@ -90,16 +98,22 @@ class Client:
         self.channel = grpc.insecure_channel(addr)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
-    def request(self, ids, max_tokens, request_id=""):
+    def request(self, ids, max_tokens, request_id="", seed=0):
         req = self.pb.GenerateRequest(request_id=request_id)
         req.tokenized.input_ids.extend(ids)
         req.sampling_params.max_tokens = max_tokens
-        req.sampling_params.temperature = 0.0  # greedy
         req.sampling_params.ignore_eos = True
+        if self.sampled:
+            sp = req.sampling_params
+            sp.temperature, sp.top_p, sp.top_k = 0.8, 0.9, 50
+            sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty = 1.1, 0.3, 0.2
+            sp.seed = seed
+        else:
+            req.sampling_params.temperature = 0.0  # greedy
         return req
 
-    def solo(self, ids, max_tokens):
-        s = Stream(self, 0, ids, max_tokens)
+    def solo(self, ids, max_tokens, index=0):
+        s = Stream(self, index, ids, max_tokens)
         s.run()
         if s.code != grpc.StatusCode.OK or s.complete is None:
             fail(f"solo stream {ids}: {s.code} {s.details} {s.error_message}")
@@ -114,7 +128,7 @@ class Client:
 def cmd_refs(c, a):
     refs = []
     for i, p in enumerate(prompts(a.streams)):
-        ids = c.solo(p, a.max_tokens)
+        ids = c.solo(p, a.max_tokens, index=i)
         if len(ids) != a.max_tokens:
             fail(f"reference {i}: {len(ids)} tokens, want {a.max_tokens}")
         refs.append({"prompt": p, "ids": ids})
@@ -132,16 +146,18 @@ def cmd_streams(c, a):
     deadline = time.monotonic() + 120
     for s in streams:
         if not s.first.wait(max(0.0, deadline - time.monotonic())):
-            os.kill(a.kill_pid, signal.SIGKILL)  # do not leave the group half-tested
+            if a.kill_pid:
+                os.kill(a.kill_pid, signal.SIGKILL)  # do not leave the group half-tested
             fail(f"stream {s.index}: no first chunk in 120 s")
     early = [s.index for s in streams if s.ended_at is not None]
-    if early:
+    if early and a.kill_pid:
         fail(f"streams {early} ended before the kill: {[streams[i].code for i in early]}")
-    os.kill(a.kill_pid, signal.SIGKILL)
+    if a.kill_pid:
+        os.kill(a.kill_pid, signal.SIGKILL)
     killed_at = time.monotonic()
     progress = sum(len(s.ids) for s in streams)
     print(f"streams: all {len(streams)} have their first chunk ({progress} tokens so far); "
-          f"SIGKILL rank pid {a.kill_pid}", flush=True)
+          + (f"SIGKILL rank pid {a.kill_pid}" if a.kill_pid else "no kill"), flush=True)
     if a.killed_file:
         with open(a.killed_file, "w") as f:
             f.write(f"{a.kill_pid}\n")
@@ -191,6 +207,17 @@ def cmd_info(c, a):
           f"{info.num_requests_running}, ranks [{ranks}]", flush=True)
 
 
+def cmd_same(c, a):
+    x, y = json.load(open(a.a)), json.load(open(a.b))
+    if len(x["refs"]) != len(y["refs"]):
+        fail(f"{a.a} has {len(x['refs'])} streams, {a.b} {len(y['refs'])}")
+    for i, (p, q) in enumerate(zip(x["refs"], y["refs"])):
+        if p["prompt"] != q["prompt"] or p["ids"] != q["ids"]:
+            diff = next((k for k, (u, v) in enumerate(zip(p["ids"], q["ids"])) if u != v), None)
+            fail(f"stream {i}: {a.a} and {a.b} differ (first difference at token {diff})")
+    print(f"same: {len(x['refs'])} streams hold the same tokens in {a.a} and {a.b}", flush=True)
+
+
 def cmd_one(c, a):
     ref = json.load(open(a.refs))
     r = ref["refs"][0]
@@ -204,6 +231,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--addr", required=True)
     ap.add_argument("--stubs", required=True)
+    ap.add_argument("--sampled", action="store_true", help="seeded sampling instead of greedy")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("refs")
     p.add_argument("--out", required=True)
@@ -222,9 +250,13 @@ def main():
     p.add_argument("--down", default="", help="ranks it must list as down")
     p = sub.add_parser("one")
     p.add_argument("--refs", required=True)
+    p = sub.add_parser("same")
+    p.add_argument("a")
+    p.add_argument("b")
     a = ap.parse_args()
-    c = Client(a.addr, a.stubs)
-    {"refs": cmd_refs, "streams": cmd_streams, "info": cmd_info, "one": cmd_one}[a.cmd](c, a)
+    c = Client(a.addr, a.stubs, sampled=a.sampled) if a.cmd != "same" else None
+    {"refs": cmd_refs, "streams": cmd_streams, "info": cmd_info, "one": cmd_one,
+     "same": cmd_same}[a.cmd](c, a)
 
 
 if __name__ == "__main__":

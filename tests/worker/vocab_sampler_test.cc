@@ -239,6 +239,7 @@ std::vector<Setting> Settings() {
       {"temperature 1.7", Params(1.7f, 0, 1.0f, 0.0f, 0)},
       {"top-k 6", Params(1.0f, 6, 1.0f, 0.0f, 0)},
       {"top-p 0.9", Params(0.9f, 0, 0.9f, 0.0f, 0)},
+      {"top-p 0.999 hot", Params(2.5f, 0, 0.999f, 0.0f, 0)},
       {"min-p 0.08", Params(1.2f, 0, 1.0f, 0.08f, 0)},
       {"top-k 9 top-p 0.8 min-p 0.02", Params(1.1f, 9, 0.8f, 0.02f, 0)},
   };

@@ -28,10 +28,19 @@ SliceMax MaxOfSlice(const float* x, int64_t n);
 // i mod 8, the lanes are summed 0..7. Requires x_i <= m (terms in (0, 1]).
 double SumExpShifted(const float* x, int64_t n, float m, float inv_t);
 
-// The first index i with Σ_{j<=i} ExpShifted(x_j) > target (fp64 running
-// sum in index order); the last index with a non-zero term when rounding
-// leaves target unreached; -1 when every term is 0.
+// The first index i where the running fp64 sum of ExpShifted(x_j), j <= i,
+// passes target; the last index with a non-zero term when rounding leaves
+// target unreached; -1 when every term is 0. The running sum advances by
+// whole blocks of 8 (each block summed pairwise: ((e0+e1)+(e2+e3))+((e4+e5)+
+// (e6+e7)) in fp64) and, inside the block that passes target, term by term
+// from the sum before it; a tail shorter than 8 term by term.
 int64_t FindCumulativeExp(const float* x, int64_t n, float m, float inv_t, double target);
+
+// mass[b] += ExpShifted(x_i, m, inv_t) for b = floor((m - x_i) · inv_t ·
+// per_unit), clamped to [0, buckets - 1] (x_i <= m). The masses of a
+// descending walk over the logits without sorting them (top-p).
+void BucketExpMasses(const float* x, int64_t n, float m, float inv_t, float per_unit,
+                     double* mass, int64_t buckets);
 
 // exp((x - m) · inv_t) in fp32 for arguments <= 0 (Cephes' expf
 // polynomial, ~1 ulp; 0 below -87.3). The one definition every path uses.
@@ -59,9 +68,20 @@ namespace sampling_internal {
 double SumExpShiftedScalar(const float* x, int64_t n, float m, float inv_t);
 double SumExpShiftedAvx2(const float* x, int64_t n, float m, float inv_t);
 SliceMax MaxOfSliceScalar(const float* x, int64_t n);
+// The block helpers both twins share.
+int64_t FindCumulativeInBlock(const float* e, int64_t base, int count, double before,
+                              double target, int64_t* last);
+inline double PairwiseSum8(const float* e) {
+  return ((static_cast<double>(e[0]) + e[1]) + (static_cast<double>(e[2]) + e[3])) +
+         ((static_cast<double>(e[4]) + e[5]) + (static_cast<double>(e[6]) + e[7]));
+}
 int64_t FindCumulativeExpScalar(const float* x, int64_t n, float m, float inv_t, double target);
 int64_t FindCumulativeExpAvx2(const float* x, int64_t n, float m, float inv_t, double target);
 SliceMax MaxOfSliceAvx2(const float* x, int64_t n);
+void BucketExpMassesScalar(const float* x, int64_t n, float m, float inv_t, float per_unit,
+                           double* mass, int64_t buckets);
+void BucketExpMassesAvx2(const float* x, int64_t n, float m, float inv_t, float per_unit,
+                         double* mass, int64_t buckets);
 }  // namespace sampling_internal
 
 }  // namespace exl3serve::worker

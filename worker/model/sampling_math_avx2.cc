@@ -57,28 +57,56 @@ int64_t FindCumulativeExpAvx2(const float* x, int64_t n, float m, float inv_t, d
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     _mm256_storeu_ps(e, Exp8(_mm256_loadu_ps(x + i), vm, vt));
+    const double block = PairwiseSum8(e);
+    if (sum + block > target) {
+      const int64_t hit = FindCumulativeInBlock(e, i, 8, sum, target, &last);
+      if (hit >= 0) return hit;
+    }
+    for (int j = 7; j >= 0; --j) {
+      if (e[j] > 0.0f) {
+        last = i + j;
+        break;
+      }
+    }
+    sum += block;
+  }
+  const int count = static_cast<int>(n - i);
+  for (int j = 0; j < count; ++j) e[j] = ExpShifted(x[i + j], m, inv_t);
+  const int64_t hit = FindCumulativeInBlock(e, i, count, sum, target, &last);
+  return hit >= 0 ? hit : last;
+}
+
+void BucketExpMassesAvx2(const float* x, int64_t n, float m, float inv_t, float per_unit,
+                         double* mass, int64_t buckets) {
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t);
+  float e[8];
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(e, Exp8(_mm256_loadu_ps(x + i), vm, vt));
     for (int j = 0; j < 8; ++j) {
-      if (e[j] <= 0.0f) continue;
-      last = i + j;
-      sum += e[j];
-      if (sum > target) return i + j;
+      const float t = (m - x[i + j]) * inv_t * per_unit;
+      const int64_t b = t >= static_cast<float>(buckets - 1) || !(t >= 0.0f)
+                            ? (t >= 0.0f ? buckets - 1 : 0)
+                            : static_cast<int64_t>(t);
+      mass[b] += e[j];
     }
   }
-  for (; i < n; ++i) {
-    const float v = ExpShifted(x[i], m, inv_t);
-    if (v <= 0.0f) continue;
-    last = i;
-    sum += v;
-    if (sum > target) return i;
-  }
-  return last;
+  BucketExpMassesScalar(x + i, n - i, m, inv_t, per_unit, mass, buckets);
 }
 
 SliceMax MaxOfSliceAvx2(const float* x, int64_t n) {
-  if (n < 16) return MaxOfSliceScalar(x, n);
-  __m256 best = _mm256_set1_ps(-INFINITY);
+  if (n < 32) return MaxOfSliceScalar(x, n);
+  // Four independent maxima (max is exact and order-free); a NaN x keeps
+  // the running value (the second operand).
+  __m256 b0 = _mm256_set1_ps(-INFINITY), b1 = b0, b2 = b0, b3 = b0;
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) best = _mm256_max_ps(_mm256_loadu_ps(x + i), best);  // a NaN x keeps best
+  for (; i + 32 <= n; i += 32) {
+    b0 = _mm256_max_ps(_mm256_loadu_ps(x + i), b0);
+    b1 = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), b1);
+    b2 = _mm256_max_ps(_mm256_loadu_ps(x + i + 16), b2);
+    b3 = _mm256_max_ps(_mm256_loadu_ps(x + i + 24), b3);
+  }
+  const __m256 best = _mm256_max_ps(_mm256_max_ps(b0, b1), _mm256_max_ps(b2, b3));
   float lanes[8];
   _mm256_storeu_ps(lanes, best);
   float value = -INFINITY;
@@ -86,10 +114,20 @@ SliceMax MaxOfSliceAvx2(const float* x, int64_t n) {
   for (; i < n; ++i) value = x[i] > value ? x[i] : value;
   SliceMax out;
   out.value = value;
-  for (int64_t j = 0; j < n; ++j) {
+  // The first index holding it, 8 at a time.
+  const __m256 target = _mm256_set1_ps(value);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (mask != 0) {
+      out.index = j + __builtin_ctz(static_cast<unsigned>(mask));
+      return out;
+    }
+  }
+  for (; j < n; ++j) {
     if (x[j] == value) {
       out.index = j;
-      break;
+      return out;
     }
   }
   return out;

@@ -70,6 +70,10 @@ class StepExecutor {
     return absl::UnimplementedError("this executor does not sample on its ranks");
   }
 
+  // Bytes of step results received from the ranks so far (what crossed
+  // from rank 0 to the caller); 0 for a model in this process.
+  virtual uint64_t result_bytes_received() const { return 0; }
+
   // The page layout of the executor's caches (every rank's), which the
   // coordinator's block allocator must equal; nullopt when unknown (fakes).
   virtual std::optional<KvCacheOptions> kv_options() const { return std::nullopt; }

@@ -44,14 +44,32 @@ bool HigherRaw(const RawTop& a, const RawTop& b) {
 }
 
 // The `count` largest of row[0, n) (by value, lowest index first on ties), in
-// descending order, as indices.
+// descending order, as indices. Up to kHeapSelect entries: one pass keeping
+// a min-heap of the best so far (most entries fail the first comparison),
+// no index array for the whole row; beyond it an nth_element.
+constexpr int64_t kHeapSelect = 4096;
 std::vector<int32_t> TopIndices(const float* row, int64_t n, int64_t count) {
   count = std::min(count, n);
-  std::vector<int32_t> idx(static_cast<size_t>(n));
-  std::iota(idx.begin(), idx.end(), 0);
   auto more = [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
-  if (count < n) std::nth_element(idx.begin(), idx.begin() + count, idx.end(), more);
-  idx.resize(static_cast<size_t>(count));
+  std::vector<int32_t> idx;
+  if (count <= 0) return idx;
+  if (count <= kHeapSelect) {
+    idx.reserve(static_cast<size_t>(count));
+    for (int32_t i = 0; i < count; ++i) idx.push_back(i);
+    std::make_heap(idx.begin(), idx.end(), more);  // front: the least likely kept
+    for (int64_t i = count; i < n; ++i) {
+      // Later indices lose ties, so only a strictly larger value enters.
+      if (!(row[i] > row[idx.front()])) continue;
+      std::pop_heap(idx.begin(), idx.end(), more);
+      idx.back() = static_cast<int32_t>(i);
+      std::push_heap(idx.begin(), idx.end(), more);
+    }
+  } else {
+    idx.resize(static_cast<size_t>(n));
+    std::iota(idx.begin(), idx.end(), 0);
+    if (count < n) std::nth_element(idx.begin(), idx.begin() + count, idx.end(), more);
+    idx.resize(static_cast<size_t>(count));
+  }
   std::sort(idx.begin(), idx.end(), more);
   return idx;
 }
@@ -67,6 +85,11 @@ bool Get(std::string_view& in, T* v) {
   in.remove_prefix(sizeof(T));
   return true;
 }
+
+// Top-p bucketing: buckets per nat of (max - z) / T, and the nats covered
+// (the last bucket takes everything below; e^-40 of the maximum's mass).
+constexpr int kTopPBuckets = 16;
+constexpr int kTopPNats = 40;
 
 bool Unfiltered(const SamplingParams& p, int64_t vocab) {
   return (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0f && p.min_p <= 0.0f;
@@ -314,22 +337,39 @@ absl::Status VocabSampler::Sample(std::span<const SampleRow> rows, float* slice_
       for (int32_t i : TopIndices(w.row, width, p.top_k)) add(i);
     } else if (p.top_p < 1.0f) {
       // The slice's descending prefix whose mass before each token is
-      // < top_p (the global mass before it is at least as large).
+      // < top_p (the global mass before it is at least as large). Masses by
+      // bucket of (M - z) / T first (kTopPBuckets per nat), so only the
+      // buckets the nucleus can reach are gathered and sorted.
       const double limit = p.top_p * (1.0 + 1e-9);
-      for (int64_t depth = 64;; depth = std::min<int64_t>(depth * 8, width)) {
-        const std::vector<int32_t> idx = TopIndices(w.row, width, depth);
-        w.cands.clear();
-        double before = 0.0;
-        bool done = false;
-        for (int32_t i : idx) {
-          if (before >= limit) {
-            done = true;
-            break;
-          }
-          add(i);
-          before += std::exp((static_cast<double>(w.row[i]) - M) * inv_t) / S;
+      std::vector<double> mass(kTopPBuckets * kTopPNats + 1, 0.0);
+      BucketExpMasses(w.row, width, static_cast<float>(M), static_cast<float>(inv_t),
+                      static_cast<float>(kTopPBuckets), mass.data(),
+                      static_cast<int64_t>(mass.size()));
+      double cumulative = 0.0;
+      int64_t last_bucket = static_cast<int64_t>(mass.size()) - 1;
+      for (size_t b = 0; b < mass.size(); ++b) {
+        cumulative += mass[b] / S;
+        if (cumulative >= limit) {
+          last_bucket = static_cast<int64_t>(b);
+          break;
         }
-        if (done || depth >= width) break;
+      }
+      std::vector<int32_t> idx;
+      const float z_floor =
+          last_bucket + 1 >= static_cast<int64_t>(mass.size())
+              ? -INFINITY
+              : static_cast<float>(M - static_cast<double>(last_bucket + 1) / kTopPBuckets / inv_t);
+      for (int64_t i = 0; i < width; ++i) {
+        if (w.row[i] >= z_floor) idx.push_back(static_cast<int32_t>(i));
+      }
+      std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) {
+        return w.row[a] > w.row[b] || (w.row[a] == w.row[b] && a < b);
+      });
+      double before = 0.0;
+      for (int32_t i : idx) {
+        if (before >= limit) break;
+        add(i);
+        before += std::exp((static_cast<double>(w.row[i]) - M) * inv_t) / S;
       }
     } else {
       const double log_min_p = std::log(static_cast<double>(p.min_p)) - 1e-9;

@@ -341,6 +341,7 @@ absl::Status LocalGroup::RoundTrip(const std::string& request, absl::Duration ti
       if (result.ok()) result = status;
       continue;
     }
+    if (r == 0) result_bytes_ += reply->size();
     if (r == 0 && rank0_body != nullptr) *rank0_body = std::string(in.rest());
   }
   if (!transport.ok()) return Break(transport);

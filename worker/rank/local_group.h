@@ -96,6 +96,7 @@ class LocalGroup final : public StepExecutor {
 
   int64_t vocab_size() const override { return vocab_size_; }
   absl::Status AddSequence(int64_t seq_id) override;
+  uint64_t result_bytes_received() const override { return result_bytes_; }
   absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) override;
   absl::Status ForwardSampled(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
                               std::vector<SampledToken>* tokens) override;
@@ -155,6 +156,7 @@ class LocalGroup final : public StepExecutor {
   absl::Duration step_timeout_;
   absl::Status broken_;
   bool shut_down_ = false;
+  uint64_t result_bytes_ = 0;  // rank 0's reply frames (result_bytes_received)
   // AssignPages not yet sent, per sequence (sent with its next Forward).
   absl::flat_hash_map<int64_t, std::vector<int32_t>> staged_pages_;
   // Own synchronisation: rank_status()'s snapshot (written by Publish).
