@@ -24,7 +24,7 @@
 #include "sharding/npy_writer.h"
 #include "worker/model/generator.h"
 #include "worker/model/linear.h"
-#include "worker/model/stop_strings.h"
+#include "coordinator/stop_strings.h"
 #include "worker/model/transformer.h"
 #include "worker/rank/local_group.h"
 
@@ -208,7 +208,7 @@ CommandRunner RegisterGenerateCommand(CLI::App& app) {
 
     std::optional<coordinator::StreamDecoder> stream;
     if (text_mode) stream.emplace(*tokenizer, coordinator::DecodeOptions{.skip_special_tokens = true});
-    worker::StopStringMatcher stops(args->stop);
+    coordinator::StopStringMatcher stops(args->stop);
     std::vector<float> logits_log;
     absl::Status decode_status;
     int64_t generated = 0;

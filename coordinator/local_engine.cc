@@ -13,8 +13,6 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
-#include "worker/model/linear.h"
-#include "worker/rank/local_group.h"
 
 namespace exl3serve::coordinator {
 namespace {
@@ -50,9 +48,9 @@ absl::Status Invalid(const std::string& field, const std::string& rule) {
 
 // GetServerInfo's ranks of a local group (the fields a remote group fills,
 // less the heartbeat age: local ranks send none).
-std::vector<v1::RankInfo> LocalRankInfos(const worker::rank::LocalGroup& group) {
+std::vector<v1::RankInfo> LocalRankInfos(const std::vector<worker::rank::LocalRankState>& states) {
   std::vector<v1::RankInfo> ranks;
-  for (const worker::rank::LocalRankStatus& status : group.rank_status()) {
+  for (const worker::rank::LocalRankState& status : states) {
     v1::RankInfo& info = ranks.emplace_back();
     info.set_rank(static_cast<uint32_t>(status.rank));
     info.set_up(status.up);
@@ -67,12 +65,11 @@ std::vector<v1::RankInfo> LocalRankInfos(const worker::rank::LocalGroup& group) 
 LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                          std::unique_ptr<worker::StepExecutor> executor)
     : options_(options),
-      config_(std::move(model.config)),
+      facts_(std::move(model.facts)),
       tokenizer_(std::move(model.tokenizer)),
-      transformer_(std::move(model.transformer)),
       bits_per_weight_(model.bits_per_weight),
       // A remote group knows its vocabulary only once formed; it is config.json's.
-      vocab_size_(executor->vocab_size() > 0 ? executor->vocab_size() : config_.arch.vocab_size),
+      vocab_size_(executor->vocab_size() > 0 ? executor->vocab_size() : facts_.arch.vocab_size),
       max_context_([&] {
         const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
         return options.max_context > 0 ? std::min(options.max_context, pool) : pool;
@@ -289,13 +286,13 @@ bool LocalEngine::WaitForIdle(absl::Time deadline) const {
 v1::GetModelInfoResponse LocalEngine::GetModelInfo() const {
   v1::GetModelInfoResponse info;
   info.set_model_path(options_.model_dir);
-  info.set_architecture(config_.arch.architecture);
+  info.set_architecture(facts_.arch.architecture);
   info.set_vocab_size(static_cast<uint32_t>(vocab_size_));
   info.set_max_context_tokens(static_cast<uint32_t>(max_context_));
-  info.set_num_layers(config_.arch.num_layers);
-  info.set_hidden_size(static_cast<uint32_t>(config_.arch.hidden_size));
+  info.set_num_layers(facts_.arch.num_layers);
+  info.set_hidden_size(static_cast<uint32_t>(facts_.arch.hidden_size));
   info.set_bits_per_weight(bits_per_weight_);
-  for (int32_t id : config_.eos_token_ids) info.add_eos_token_ids(id);
+  for (int32_t id : facts_.eos_token_ids) info.add_eos_token_ids(id);
   return info;
 }
 
@@ -579,7 +576,7 @@ bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken
   };
 
   const bool request_stop = Contains(p.request_stop_ids, token.id);
-  const bool eos = !p.ignore_eos && Contains(config_.eos_token_ids, token.id);
+  const bool eos = !p.ignore_eos && Contains(facts_.eos_token_ids, token.id);
   if (request_stop || eos) {
     if (std::string rest = flush_text(); !rest.empty()) p.callback(chunk_response(rest, false));
     Complete(seq_id, request_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_EOS, "");
@@ -626,6 +623,7 @@ void LocalEngine::Complete(int64_t seq_id, v1::FinishReason reason,
   c->set_queue_time_seconds(
       absl::ToDoubleSeconds(live.admitted.value_or(now) - live.p.arrival));
   c->set_matched_stop(matched_stop);
+  c->set_seed(live.p.sampling.seed.value_or(0));
   if (options_.observer != nullptr) {
     options_.observer->OnRequestFinished(RequestRecord{
         .finish = reason == v1::FINISH_REASON_LENGTH  ? FinishKind::kLength
@@ -774,7 +772,7 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
   }
   EngineModel model;
   model.bits_per_weight = extras.bits;
-  EXL3_ASSIGN_OR_RETURN(model.config, worker::ReadModelConfig(options.model_dir));
+  EXL3_ASSIGN_OR_RETURN(model.facts, worker::rank::ReadModelFacts(options.model_dir));
   if (std::filesystem::exists(options.model_dir + "/tokenizer.json")) {
     EXL3_ASSIGN_OR_RETURN(model.tokenizer, Tokenizer::Load(options.model_dir));
   }
@@ -784,48 +782,29 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
 absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& given) {
   EngineOptions options = given;
   EXL3_ASSIGN_OR_RETURN(EngineModel model, LoadEngineModel(&options));
-  std::unique_ptr<worker::StepExecutor> executor;
-  const int ranks = options.tensor_parallel > 1 ? options.tensor_parallel
-                                                : std::max(1, options.expert_parallel);
-  if (ranks == 1) {
-    EXL3_RETURN_IF_ERROR(worker::SetPrefillPrecision(options.prefill_precision));
-    EXL3_RETURN_IF_ERROR(worker::SetDecodePrecision(options.decode_precision));
-    worker::TransformerLoadOptions load_options;
-    load_options.spill = options.spill;
-    EXL3_ASSIGN_OR_RETURN(model.transformer,
-                          worker::Transformer::Load(options.model_dir, load_options));
-    model.config = model.transformer->config();
-    worker::KvCacheOptions kv = options.kv;
-    kv.caller_assigns_pages = true;  // the scheduler's block tables place every sequence
-    EXL3_ASSIGN_OR_RETURN(worker::PagedKvCache cache, model.transformer->CreateKvCache(kv));
-    executor =
-        std::make_unique<worker::LocalStepExecutor>(model.transformer.get(), std::move(cache));
-  } else {
-    worker::rank::LocalGroupOptions group;
-    group.model_dir = options.model_dir;
-    group.world_size = ranks;
-    group.expert_parallel = options.expert_parallel;
-    group.executable = options.rank_executable;
-    group.threads_per_rank = options.threads_per_rank;
-    group.kv = options.kv;
-    group.kv.caller_assigns_pages = true;  // the scheduler's block tables place every sequence
-    group.step_timeout = options.rank_step_timeout;
-    group.metrics_port = options.rank_metrics_port;
-    group.metrics_host = options.rank_metrics_host;
-    group.spill = options.spill;
-    group.capacities = options.rank_capacities;
-    group.prefill_precision = options.prefill_precision;
-    group.decode_precision = options.decode_precision;
-    EXL3_ASSIGN_OR_RETURN(std::unique_ptr<worker::rank::LocalGroup> local,
-                          worker::rank::LocalGroup::Start(group));
-    // GetServerInfo lists the ranks as for a remote group; the engine owns
-    // the group, so it outlives every GetServerInfo call.
-    if (!options.rank_info) {
-      const worker::rank::LocalGroup* ranks_of = local.get();
-      options.rank_info = [ranks_of] { return LocalRankInfos(*ranks_of); };
-    }
-    executor = std::move(local);
+  worker::rank::LocalExecutorOptions local;
+  local.model_dir = options.model_dir;
+  local.ranks = options.tensor_parallel > 1 ? options.tensor_parallel
+                                            : std::max(1, options.expert_parallel);
+  local.expert_parallel = options.expert_parallel;
+  local.threads_per_rank = options.threads_per_rank;
+  local.rank_executable = options.rank_executable;
+  local.kv = options.kv;
+  local.step_timeout = options.rank_step_timeout;
+  local.metrics_port = options.rank_metrics_port;
+  local.metrics_host = options.rank_metrics_host;
+  local.spill = options.spill;
+  local.capacities = options.rank_capacities;
+  local.prefill_precision = options.prefill_precision;
+  local.decode_precision = options.decode_precision;
+  EXL3_ASSIGN_OR_RETURN(worker::rank::LocalExecutor built, worker::rank::CreateLocalExecutor(local));
+  model.facts = std::move(built.facts);
+  // GetServerInfo lists local ranks as for a remote group; the engine owns
+  // the executor, so it outlives every GetServerInfo call.
+  if (!options.rank_info && built.rank_state) {
+    options.rank_info = [state = built.rank_state] { return LocalRankInfos(state()); };
   }
+  std::unique_ptr<worker::StepExecutor> executor = std::move(built.executor);
   return std::unique_ptr<Engine>(
       new LocalEngine(options, std::move(model), std::move(executor)));
 }

@@ -56,16 +56,13 @@
 #include "coordinator/engine.h"
 #include "coordinator/engine_observer.h"
 #include "coordinator/scheduler.h"
+#include "coordinator/stop_strings.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
-#include "worker/model/kv_cache.h"
-#include "worker/model/model_config.h"
-#include "worker/model/sampler.h"
-#include "worker/model/step_executor.h"
-#include "worker/model/stop_strings.h"
-#include "worker/model/transformer.h"
+#include "worker/api/step_executor.h"
+#include "worker/rank/executor_factory.h"
 
 namespace exl3serve::coordinator {
 
@@ -145,11 +142,9 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& o
 
 // What the engine knows about the model besides the executor.
 struct EngineModel {
-  worker::ModelConfig config;
+  worker::rank::ModelFacts facts;  // shape and EOS ids (config.json)
   // Null: only tokenized input; text output is empty.
   std::unique_ptr<Tokenizer> tokenizer;
-  // The in-process model the executor borrows, if any (kept alive for it).
-  std::unique_ptr<worker::Transformer> transformer;
   double bits_per_weight = 16.0;
 };
 
@@ -209,7 +204,7 @@ class LocalEngine final : public Engine {
   struct Live {
     Pending p;
     std::optional<StreamDecoder> decoder;
-    std::optional<worker::StopStringMatcher> stops;
+    std::optional<StopStringMatcher> stops;
     std::vector<int32_t> output;
     std::optional<absl::Time> admitted;
     std::optional<absl::Time> first_token;
@@ -240,9 +235,8 @@ class LocalEngine final : public Engine {
 
   // --- Constant after construction ---
   const EngineOptions options_;
-  const worker::ModelConfig config_;
+  const worker::rank::ModelFacts facts_;
   const std::unique_ptr<Tokenizer> tokenizer_;
-  const std::unique_ptr<worker::Transformer> transformer_;  // outlives executor_
   const double bits_per_weight_;
   const int64_t vocab_size_;
   const int64_t max_context_;

@@ -25,7 +25,7 @@
 #include "coordinator/grpc_server.h"
 #include "exl3serve/rank/v1/rank.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
-#include "worker/rank/rank_executor.h"
+#include "worker/rank/executor_factory.h"
 
 namespace exl3serve::coordinator {
 namespace {

@@ -64,8 +64,7 @@
 #include "kernels/trellis_gemm.h"
 #include "sharding/spill_store.h"
 #include "worker/comm/comm_factory.h"
-#include "worker/model/kv_cache.h"
-#include "worker/model/step_executor.h"
+#include "worker/api/step_executor.h"
 
 namespace exl3serve::coordinator {
 

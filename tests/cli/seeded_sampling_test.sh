@@ -5,7 +5,7 @@
 #   * for a request alone and inside a batch of all streams at once,
 #   * at TP = 1, 2 and 3 (vocabulary-parallel sampling over 1, 2, 3 slices),
 #   * after kill -9 of a rank and the replay on a re-formed group (TP = 2),
-#   * for a MoE model at TP = 1 and EP = 2;
+#   * for MoE models at TP = 1 and EP = 2 (Qwen3-MoE, Mixtral), Llama at TP 2;
 # and greedy serving equals `exl3serve generate` (full logits, the float64
 # reference sampler) on the same prompt.
 #
@@ -140,4 +140,22 @@ for mode in greedy sampled; do
   py "${flag[@]}" streams --refs "$WORK/moe-$mode.json" --kill-pid 0 --expect same || fail "moe ep2 $mode"
 done
 stop_server || fail "serve moe --ep 2"
+
+# Greedy and sampled on the other test architectures: Llama at TP 1 vs TP 2,
+# Mixtral at TP 1 vs EP 2 (experts split across the ranks).
+for arch in llama mixtral; do
+  "$BIN" make-test-model --arch $arch --out "$WORK/$arch" >/dev/null || fail "make-test-model $arch"
+  start "$WORK/$arch" --tp 1
+  for mode in greedy sampled; do
+    flag=(); [ $mode = sampled ] && flag=(--sampled)
+    py "${flag[@]}" refs --out "$WORK/$arch-$mode.json" --streams 8 --max-tokens $TOKENS || fail "$arch $mode refs"
+  done
+  stop_server || fail "serve $arch --tp 1"
+  if [ $arch = llama ]; then start "$WORK/$arch" --tp 2; else start "$WORK/$arch" --tp 2 --ep 2; fi
+  for mode in greedy sampled; do
+    flag=(); [ $mode = sampled ] && flag=(--sampled)
+    py "${flag[@]}" streams --refs "$WORK/$arch-$mode.json" --kill-pid 0 --expect same || fail "$arch $mode x2"
+  done
+  stop_server || fail "serve $arch x2"
+done
 echo "seeded_sampling: OK"

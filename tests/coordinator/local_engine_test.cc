@@ -226,7 +226,8 @@ class LocalEngineTest : public ::testing::Test {
         std::make_unique<worker::LocalStepExecutor>(model->transformer.get(), std::move(*cache)));
     gate_ = gated.get();
     EngineModel m;
-    m.config = model->transformer->config();
+    m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
     return std::make_unique<LocalEngine>(options, std::move(m), std::move(gated));
   }
   GatedExecutor* gate_ = nullptr;
@@ -606,7 +607,8 @@ class PageAuditExecutor final : public worker::StepExecutor {
 TEST_F(LocalEngineTest, TheCacheHoldsExactlyTheBlocksTheSchedulerAssigned) {
   EngineOptions options = Options(40, 4);  // small: preemption frees and reassigns blocks
   EngineModel m;
-  m.config = model->transformer->config();
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
   auto owned = std::make_unique<PageAuditExecutor>(options.kv);
   PageAuditExecutor* audit = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
@@ -637,7 +639,8 @@ TEST_F(LocalEngineTest, AnExecutorWithAnotherKvLayoutIsRefused) {
   worker::KvCacheOptions theirs = options.kv;
   theirs.num_pages = 32;
   EngineModel m;
-  m.config = model->transformer->config();
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
   auto engine = std::make_unique<LocalEngine>(options, std::move(m),
                                               std::make_unique<PageAuditExecutor>(theirs));
   const absl::Status refused =
@@ -652,7 +655,8 @@ TEST_F(LocalEngineTest, AnExecutorWithAnotherKvLayoutIsRefused) {
 TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
   EngineOptions options = Options(64, 16);
   EngineModel m;
-  m.config = model->transformer->config();
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
   auto engine = std::make_unique<LocalEngine>(options, std::move(m),
                                               std::make_unique<DyingExecutor>(5));
   std::vector<std::unique_ptr<Stream>> streams;
@@ -737,7 +741,8 @@ class ReformingExecutor final : public worker::StepExecutor {
 TEST_F(LocalEngineTest, InFlightRequestsAreReplayedWhenTheGroupReforms) {
   EngineOptions options = Options(40, 4);  // small: preemption and replay together
   EngineModel m;
-  m.config = model->transformer->config();
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
   auto owned = std::make_unique<ReformingExecutor>(options.kv, 6, /*recoverable=*/true);
   ReformingExecutor* executor = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
@@ -766,7 +771,8 @@ TEST_F(LocalEngineTest, ABrokenEngineIsReadyAgainOnceTheGroupReforms) {
   EngineOptions options = Options(64, 16);
   options.reform_timeout = absl::Milliseconds(50);
   EngineModel m;
-  m.config = model->transformer->config();
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
   auto owned = std::make_unique<ReformingExecutor>(options.kv, 3, /*recoverable=*/false);
   ReformingExecutor* executor = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));

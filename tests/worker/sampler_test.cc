@@ -1,6 +1,6 @@
 // worker::Sampler against straightforward references on small logit
 // vectors: each step (penalties, temperature, top-k, top-p, min-p), greedy,
-// seeded draws, and logprobs; plus StopStringMatcher.
+// seeded draws, and logprobs.
 #include "worker/model/sampler.h"
 
 #include <algorithm>
@@ -9,7 +9,6 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "worker/model/stop_strings.h"
 
 namespace exl3serve::worker {
 namespace {
@@ -217,36 +216,6 @@ TEST(SamplerTest, RejectsOutOfRangeParameters) {
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << field;
     EXPECT_NE(status.message().find(field), std::string::npos) << status;
   }
-}
-
-TEST(StopStringMatcherTest, HoldsBackAPossibleStartAndCutsAtTheMatch) {
-  StopStringMatcher stops({"THE END", "\n\n"});
-  std::string emitted;
-  emitted += stops.Append("Once upon a time. TH");
-  EXPECT_EQ(emitted, "Once upon a time. ");  // "TH" might start "THE END"
-  emitted += stops.Append("E E");
-  EXPECT_FALSE(stops.stopped());
-  emitted += stops.Append("ND and more");
-  EXPECT_TRUE(stops.stopped());
-  EXPECT_EQ(stops.matched(), "THE END");
-  EXPECT_EQ(emitted, "Once upon a time. ");
-  EXPECT_EQ(stops.Append("x"), "");
-  EXPECT_EQ(stops.Flush(), "");
-}
-
-TEST(StopStringMatcherTest, ReleasesHeldTextThatDidNotBecomeAStop) {
-  StopStringMatcher stops({"abc"});
-  EXPECT_EQ(stops.Append("xab"), "x");
-  EXPECT_EQ(stops.Append("d"), "abd");
-  EXPECT_EQ(stops.Append("a"), "");
-  EXPECT_EQ(stops.Flush(), "a");
-  EXPECT_FALSE(stops.stopped());
-}
-
-TEST(StopStringMatcherTest, EarliestMatchWins) {
-  StopStringMatcher stops({"cd", "bcx", "b"});
-  EXPECT_EQ(stops.Append("abcd"), "a");
-  EXPECT_EQ(stops.matched(), "b");
 }
 
 }  // namespace

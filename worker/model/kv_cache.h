@@ -29,12 +29,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 
+#include "worker/api/step_executor.h"
+
 namespace exl3serve::worker {
 
-enum class KvCacheDtype { kFp32, kFp16, kInt8, kInt4 };
-
-// 32, 16, 8, 4 -> dtype (the --kv-bits spellings). InvalidArgument otherwise.
-absl::StatusOr<KvCacheDtype> KvCacheDtypeFromBits(int bits);
 
 struct KvCacheShape {
   int num_layers = 0;
@@ -42,20 +40,6 @@ struct KvCacheShape {
   int head_dim = 0;
 };
 
-struct KvCacheOptions {
-  // Positions per page. 16 keeps the tail waste of a sequence under 16
-  // positions while a page of a 64-head x 128 fp16 layer is still 256 KiB.
-  int page_size_tokens = 16;
-  // Pages in the pool; a sequence of L positions holds ceil(L / page) pages.
-  int64_t num_pages = 256;
-  KvCacheDtype dtype = KvCacheDtype::kFp16;
-  // Who places sequences on pages. false: Reserve takes free pages from the
-  // pool (a model driven by worker::Generate). true: only AssignPages does
-  // (the coordinator's block tables, coordinator/scheduler.h); Reserve never
-  // takes a page then and fails with FailedPrecondition when the assigned
-  // pages are short. Ranks of a coordinator always run with true.
-  bool caller_assigns_pages = false;
-};
 
 // Thread safety: thread-compatible; the worker's step thread owns it. Write
 // and Read of different (sequence, layer) pairs may run concurrently.

@@ -34,39 +34,12 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "worker/api/sampling.h"
 
 namespace exl3serve::worker {
 
-struct SamplingParams {
-  float temperature = 1.0f;          // >= 0; 0 = greedy
-  int top_k = 0;                     // >= 0; 0 = off
-  float top_p = 1.0f;                // (0, 1]; 1 = off
-  float min_p = 0.0f;                // [0, 1]; 0 = off
-  float repetition_penalty = 1.0f;   // > 0; 1 = off
-  float presence_penalty = 0.0f;     // [-2, 2]
-  float frequency_penalty = 0.0f;    // [-2, 2]
-  // Added to the logit of a token id after the penalties, each in [-100, 100]
-  // (the OpenAI API's `logit_bias`).
-  std::vector<std::pair<int32_t, float>> logit_bias;
-  std::optional<uint64_t> seed;      // none: a random seed (std::random_device)
-  bool logprobs = false;             // report the chosen token's log-probability
-  int top_logprobs = 0;              // and the n most likely tokens' (0..20)
-};
 
-// InvalidArgument naming the field, its rule and the value for any field out
-// of the ranges above (NaN included).
-absl::Status ValidateSamplingParams(const SamplingParams& params);
 
-struct TokenLogprob {
-  int32_t id = 0;
-  float logprob = 0.0f;
-};
-
-struct SampledToken {
-  int32_t id = 0;
-  float logprob = 0.0f;                   // when params.logprobs
-  std::vector<TokenLogprob> top_logprobs;  // params.top_logprobs entries, descending
-};
 
 // Thread safety: thread-compatible (one per request).
 // Ownership: owns its token counts and RNG.

@@ -49,17 +49,6 @@ class Communicator;
 
 namespace exl3serve::worker {
 
-// New tokens of one sequence in a forward: they take positions
-// cache.Length(seq_id) .. + tokens.size() - 1.
-struct SequenceTokens {
-  int64_t seq_id = 0;
-  std::span<const int32_t> tokens;
-};
-
-enum class LogitsRows {
-  kLastToken,  // one row per sequence: its last new token
-  kAllTokens,  // one row per new token, sequences in batch order
-};
 
 // config.json (+ generation_config.json when present) of model directory
 // `dir`. Errors: NotFound, DataLoss for malformed JSON, those of

@@ -55,14 +55,6 @@
 
 namespace exl3serve::worker {
 
-// How one sequence samples, fixed when it is added.
-struct SequenceSampling {
-  SamplingParams params;  // params.seed must be set (the coordinator draws one)
-  // Tokens at positions >= prompt_len are output tokens (presence and
-  // frequency penalties count those); all observed tokens count for the
-  // repetition penalty.
-  int64_t prompt_len = 0;
-};
 
 // One row to sample: the sequence and its logits row in the slice buffer.
 struct SampleRow {

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "kernels/trellis_gemm.h"
 #include "worker/comm/comm_factory.h"
+#include "worker/rank/executor_factory.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/model/kv_cache.h"
@@ -77,9 +78,6 @@ struct RankSetup {
   RankObserver* observer = nullptr;
 };
 
-// OK when `capacities` is empty or holds world_size finite values > 0;
-// otherwise InvalidArgument saying which value or how many were given.
-absl::Status CheckCapacities(const std::vector<double>& capacities, int world_size);
 
 // A rank that has joined its group and loaded its shard.
 // Ownership: owns its communicator, model and cache. Thread safety: confined

@@ -1,9 +1,9 @@
-#include "worker/model/stop_strings.h"
+#include "coordinator/stop_strings.h"
 
 #include <algorithm>
 #include <utility>
 
-namespace exl3serve::worker {
+namespace exl3serve::coordinator {
 
 StopStringMatcher::StopStringMatcher(std::vector<std::string> stop_strings) {
   for (std::string& s : stop_strings) {
@@ -50,4 +50,4 @@ std::string StopStringMatcher::Flush() {
   return std::exchange(pending_, std::string());
 }
 
-}  // namespace exl3serve::worker
+}  // namespace exl3serve::coordinator

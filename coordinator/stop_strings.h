@@ -1,4 +1,4 @@
-// worker/model/stop_strings.h — ends generation at the first occurrence of any
+// coordinator/stop_strings.h — ends generation at the first occurrence of any
 // of a request's stop strings in the streamed text, and holds back text that
 // might still become the start of one, so no part of a stop string is ever
 // emitted.
@@ -7,14 +7,14 @@
 //   std::string ready = stops.Append(piece);  // emit `ready`
 //   if (stops.stopped()) ...;                 // the stop string itself is dropped
 //   std::string rest = stops.Flush();         // at the end of generation
-#ifndef EXL3SERVE_WORKER_MODEL_STOP_STRINGS_H_
-#define EXL3SERVE_WORKER_MODEL_STOP_STRINGS_H_
+#ifndef EXL3SERVE_COORDINATOR_STOP_STRINGS_H_
+#define EXL3SERVE_COORDINATOR_STOP_STRINGS_H_
 
 #include <string>
 #include <string_view>
 #include <vector>
 
-namespace exl3serve::worker {
+namespace exl3serve::coordinator {
 
 // Thread safety: thread-compatible. Ownership: owns copies of the strings.
 class StopStringMatcher {
@@ -43,6 +43,6 @@ class StopStringMatcher {
   std::string matched_;
 };
 
-}  // namespace exl3serve::worker
+}  // namespace exl3serve::coordinator
 
-#endif  // EXL3SERVE_WORKER_MODEL_STOP_STRINGS_H_
+#endif  // EXL3SERVE_COORDINATOR_STOP_STRINGS_H_

@@ -1,0 +1,129 @@
+// worker/api/step_executor.h — the one seam between the coordinator and the
+// ranks: what a generation loop needs from "the model" (sequences with cached
+// state, forwards over a batch of their new tokens, tokens drawn on the
+// ranks), whatever runs it — a model in this process
+// (worker/model/step_executor.h LocalStepExecutor), local rank processes
+// (worker/rank/local_group.h) or remote ranks (coordinator/rank_group.h).
+// Nothing here knows kernels or models: the coordinator includes only this
+// folder of worker/ (and worker/rank/executor_factory.h to build one).
+//
+//   EXL3_RETURN_IF_ERROR(executor.AddSampledSequence(7, {.params = p, .prompt_len = 12}));
+//   EXL3_RETURN_IF_ERROR(executor.ForwardSampled(batch, sample_flags, &tokens));
+#ifndef EXL3SERVE_WORKER_API_STEP_EXECUTOR_H_
+#define EXL3SERVE_WORKER_API_STEP_EXECUTOR_H_
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "worker/api/sampling.h"
+
+namespace exl3serve::worker {
+
+// New tokens of one sequence in a forward: they take positions
+// cache.Length(seq_id) .. + tokens.size() - 1.
+struct SequenceTokens {
+  int64_t seq_id = 0;
+  std::span<const int32_t> tokens;
+};
+
+enum class LogitsRows {
+  kLastToken,  // one row per sequence: its last new token
+  kAllTokens,  // one row per new token, sequences in batch order
+};
+
+// The paged KV cache's element format and layout (worker/model/kv_cache.h
+// PagedKvCache; the coordinator's block allocator mirrors num_pages and
+// page_size_tokens).
+enum class KvCacheDtype { kFp32, kFp16, kInt8, kInt4 };
+
+// 32, 16, 8, 4 -> dtype (the --kv-bits spellings). InvalidArgument otherwise.
+absl::StatusOr<KvCacheDtype> KvCacheDtypeFromBits(int bits);
+
+struct KvCacheOptions {
+  // Positions per page. 16 keeps the tail waste of a sequence under 16
+  // positions while a page of a 64-head x 128 fp16 layer is still 256 KiB.
+  int page_size_tokens = 16;
+  // Pages in the pool; a sequence of L positions holds ceil(L / page) pages.
+  int64_t num_pages = 256;
+  KvCacheDtype dtype = KvCacheDtype::kFp16;
+  // Who places sequences on pages. false: Reserve takes free pages from the
+  // pool (a model driven by worker::Generate). true: only AssignPages does
+  // (the coordinator's block tables, coordinator/scheduler.h); Reserve never
+  // takes a page then and fails with FailedPrecondition when the assigned
+  // pages are short. Ranks of a coordinator always run with true.
+  bool caller_assigns_pages = false;
+};
+
+// Thread safety: one caller at a time.
+class StepExecutor {
+ public:
+  virtual ~StepExecutor() = default;
+  virtual int64_t vocab_size() const = 0;
+  // AlreadyExists when seq_id is in use; Unavailable when the executor is
+  // broken (a rank died).
+  virtual absl::Status AddSequence(int64_t seq_id) = 0;
+  // NotFound for an unknown seq_id.
+  virtual absl::Status RemoveSequence(int64_t seq_id) = 0;
+  // As Transformer::Forward, with the executor's own cache.
+  virtual absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
+                               std::vector<float>* logits) = 0;
+
+  // Appends `page_ids` to the sequence's KV page table on every rank (the
+  // coordinator's block allocator placed it; PagedKvCache::AssignPages). For
+  // an executor whose caches have KvCacheOptions::caller_assigns_pages this is
+  // the only way a sequence gets pages: a Forward needing positions beyond its
+  // assigned pages fails (FailedPrecondition). Executors over rank processes
+  // send the pages with the sequence's next Forward, so their errors
+  // (InvalidArgument / FailedPrecondition naming the page, as AssignPages)
+  // come from that Forward; this process's cache answers at once.
+  // Unimplemented when the executor allocates pages itself.
+  virtual absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
+    return absl::UnimplementedError("this executor allocates its own KV pages");
+  }
+
+  // Rank-side sampling (vocab_sampler.h). A sequence added this way carries
+  // its sampling parameters for its whole life (set once, not per step) and
+  // is fed through ForwardSampled: only token ids — and logprobs when asked —
+  // come back from the ranks. AlreadyExists / InvalidArgument as
+  // AddSequence / VocabSampler::AddSequence. Unimplemented where the executor
+  // cannot sample.
+  virtual absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) {
+    return absl::UnimplementedError("this executor does not sample on its ranks");
+  }
+  // One forward of `batch` (last-token rows); for every entry i with
+  // sample[i] != 0, (*tokens)[i] is the token drawn for that sequence
+  // (tokens is resized to batch.size(); other entries are left default).
+  // Errors: Forward's; NotFound for a sampled entry not added with
+  // AddSampledSequence; InvalidArgument when sample.size() != batch.size().
+  virtual absl::Status ForwardSampled(std::span<const SequenceTokens> batch,
+                                      std::span<const uint8_t> sample,
+                                      std::vector<SampledToken>* tokens) {
+    return absl::UnimplementedError("this executor does not sample on its ranks");
+  }
+
+  // Bytes of step results received from the ranks so far (what crossed
+  // from rank 0 to the caller); 0 for a model in this process.
+  virtual uint64_t result_bytes_received() const { return 0; }
+
+  // The page layout of the executor's caches (every rank's), which the
+  // coordinator's block allocator must equal; nullopt when unknown (fakes).
+  virtual std::optional<KvCacheOptions> kv_options() const { return std::nullopt; }
+
+  // Re-forms a broken executor by `deadline` — new rank processes, or ranks
+  // that re-registered — after which it holds no sequences (callers replay
+  // them). Unimplemented when the executor cannot (a model in this process
+  // does not break that way); the error that prevented it otherwise.
+  virtual absl::Status Recover(absl::Time deadline) {
+    return absl::UnimplementedError("this executor cannot be re-formed");
+  }
+};
+
+
+}  // namespace exl3serve::worker
+
+#endif  // EXL3SERVE_WORKER_API_STEP_EXECUTOR_H_
