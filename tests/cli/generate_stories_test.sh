@@ -64,4 +64,16 @@ if "$BIN" generate --model "$TMP/hf" --prompt-ids 1,999 2>"$TMP/err.txt"; then
   fail "token id 999 accepted"
 fi
 grep -q "token id 999 is outside \[0, 512)" "$TMP/err.txt" || fail "id message: $(cat "$TMP/err.txt")"
+# With its tokenizer (tok512.bin -> tokenizer.json) the model speaks text.
+TOK=$(dirname "$STORIES")/tok512.bin
+"$BIN" import-llama2c --in "$STORIES" --tokenizer "$TOK" --out "$TMP/hf-text" >/dev/null ||
+  fail "import with --tokenizer"
+[ -f "$TMP/hf-text/tokenizer.json" ] && [ -f "$TMP/hf-text/tokenizer_config.json" ] || fail "no tokenizer files"
+text=$("$BIN" --log-level warning generate --model "$TMP/hf-text" --prompt "Once upon a time" --add-bos \
+       --temperature 0 --max-tokens 24)
+case "$text" in
+  *"there was a little girl named Lily"*) ;;
+  *) fail "text continuation: '$text'" ;;
+esac
+echo "text: Once upon a time$text"
 echo "generate_stories_test: OK"
