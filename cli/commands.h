@@ -34,6 +34,7 @@ CommandRunner RegisterLaunchCommand(CLI::App& app);       // one box of a cluste
 CommandRunner RegisterServeCommand(CLI::App& app);       // coordinator + local ranks + gRPC API
 CommandRunner RegisterClientCommand(CLI::App& app);      // gRPC client of a running server
 CommandRunner RegisterBenchServeCommand(CLI::App& app);  // load test over the gRPC API
+CommandRunner RegisterEvalCommand(CLI::App& app);        // perplexity / KL / top-1 on text
 
 }  // namespace exl3serve::cli
 

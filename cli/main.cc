@@ -43,6 +43,8 @@ int main(int argc, char** argv) {
       "load a model (EXL3 or Hugging Face) and stream a continuation of one prompt");
   add(exl3serve::cli::RegisterImportLlama2cCommand, "import-llama2c",
       "convert a llama2.c checkpoint (e.g. stories260K.bin) to a Hugging Face Llama directory");
+  add(exl3serve::cli::RegisterEvalCommand, "eval",
+      "perplexity of a model on a text file; with --reference, KL and top-1 agreement against another");
   add(exl3serve::cli::RegisterPlanCommand, "plan",
       "print which rank holds which heads, channels, experts and vocab rows of a model, and its bytes");
   add(exl3serve::cli::RegisterWorkerCommand, "worker",
