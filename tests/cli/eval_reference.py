@@ -6,6 +6,7 @@ RMSNorm (eps 1e-5), RoPE on adjacent pairs (2i, 2i+1) with theta 10000, causal
 GQA attention, SiLU-gated MLP, tied classifier.
 
   eval_reference.py MODEL.bin IDS.json CONTEXT STRIDE   -> prints the perplexity
+  eval_reference.py --greedy MODEL.bin 1,403,407 N      -> N greedy ids after the prompt
 """
 import json
 import struct
@@ -82,7 +83,22 @@ def logits(w, cfg, ids):
     return rmsnorm(x, w["final_norm"]) @ w["cls"].T
 
 
+def greedy(path, prompt, n):
+    w, cfg = load(path)
+    ids = [int(t) for t in prompt.split(",")]
+    out = []
+    for _ in range(n):
+        z = logits(w, cfg, ids)[-1]
+        nxt = int(np.argmax(z))  # lowest id on ties, as the engine
+        out.append(nxt)
+        ids.append(nxt)
+    print(" ".join(map(str, out)))
+
+
 def main():
+    if sys.argv[1] == "--greedy":
+        greedy(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        return
     w, cfg = load(sys.argv[1])
     ids = json.load(open(sys.argv[2]))
     context, stride = int(sys.argv[3]), int(sys.argv[4])
