@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/tokenizer/chat_template.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -92,6 +93,68 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
 
 LocalEngine::~LocalEngine() { Shutdown(); }
 
+absl::StatusOr<std::string> LocalEngine::RenderChat(const v1::ChatInput& chat) const {
+  if (tokenizer_ == nullptr || tokenizer_->chat_template().empty()) {
+    return Invalid("chat", absl::StrCat("the model ", options_.model_dir,
+                                        " has no chat template (tokenizer_config.json "
+                                        "chat_template); send text or tokenized input"));
+  }
+  if (chat.messages().empty()) return Invalid("chat.messages", "is empty");
+  using ojson = nlohmann::ordered_json;
+  ojson messages = ojson::array();
+  for (int i = 0; i < chat.messages_size(); ++i) {
+    const v1::ChatMessage& m = chat.messages(i);
+    const std::string field = absl::StrCat("chat.messages[", i, "]");
+    static const char* const kRoles[] = {"system", "developer", "user", "assistant", "tool"};
+    if (std::find(std::begin(kRoles), std::end(kRoles), m.role()) == std::end(kRoles)) {
+      return Invalid(field + ".role",
+                     absl::StrCat("must be system, developer, user, assistant or tool, got \"",
+                                  m.role(), "\""));
+    }
+    ojson msg = {{"role", m.role()}, {"content", m.content()}};
+    if (!m.name().empty()) msg["name"] = m.name();
+    if (!m.reasoning_content().empty()) msg["reasoning_content"] = m.reasoning_content();
+    if (m.role() == "tool") {
+      if (m.tool_call_id().empty()) return Invalid(field + ".tool_call_id", "is required for role tool");
+      msg["tool_call_id"] = m.tool_call_id();
+    }
+    if (m.tool_calls_size() > 0) {
+      if (m.role() != "assistant") return Invalid(field + ".tool_calls", "only assistant messages call tools");
+      ojson calls = ojson::array();
+      for (int k = 0; k < m.tool_calls_size(); ++k) {
+        const v1::ToolCall& c = m.tool_calls(k);
+        if (c.function_name().empty()) {
+          return Invalid(absl::StrCat(field, ".tool_calls[", k, "].function_name"), "is empty");
+        }
+        ojson arguments = ojson::parse(c.arguments_json(), nullptr, /*allow_exceptions=*/false);
+        if (arguments.is_discarded() || !arguments.is_object()) arguments = c.arguments_json();
+        calls.push_back({{"id", c.id()},
+                         {"type", c.type().empty() ? "function" : c.type()},
+                         {"function", {{"name", c.function_name()}, {"arguments", arguments}}}});
+      }
+      msg["tool_calls"] = std::move(calls);
+    }
+    messages.push_back(std::move(msg));
+  }
+  ChatPromptOptions options;
+  options.add_generation_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
+  if (!chat.tools_json().empty()) {
+    options.tools = ojson::parse(chat.tools_json(), nullptr, false);
+    if (options.tools.is_discarded() || !options.tools.is_array()) {
+      return Invalid("chat.tools_json", "must be a JSON array of tool schemas");
+    }
+  }
+  if (!chat.template_kwargs_json().empty()) {
+    options.extra_context = ojson::parse(chat.template_kwargs_json(), nullptr, false);
+    if (options.extra_context.is_discarded() || !options.extra_context.is_object()) {
+      return Invalid("chat.template_kwargs_json", "must be a JSON object");
+    }
+  }
+  absl::StatusOr<std::string> rendered = RenderChatPrompt(*tokenizer_, messages, options);
+  if (!rendered.ok()) return Invalid("chat", std::string(rendered.status().message()));
+  return rendered;
+}
+
 absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
     const v1::GenerateRequest& request) const {
   Pending p;
@@ -120,8 +183,14 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
       }
       break;
     }
+    case v1::GenerateRequest::kChat: {
+      EXL3_ASSIGN_OR_RETURN(std::string rendered, RenderChat(request.chat()));
+      p.prompt = tokenizer_->Encode(rendered, {.add_special_tokens = false});
+      if (p.prompt.empty()) return Invalid("chat", "renders to no tokens");
+      break;
+    }
     default:
-      return Invalid("input", "give text or tokenized input");
+      return Invalid("input", "give text, tokenized or chat input");
   }
   const int64_t prompt_len = static_cast<int64_t>(p.prompt.size());
   if (prompt_len >= max_context_) {
@@ -293,6 +362,7 @@ v1::GetModelInfoResponse LocalEngine::GetModelInfo() const {
   info.set_hidden_size(static_cast<uint32_t>(facts_.arch.hidden_size));
   info.set_bits_per_weight(bits_per_weight_);
   for (int32_t id : facts_.eos_token_ids) info.add_eos_token_ids(id);
+  info.set_has_chat_template(tokenizer_ != nullptr && !tokenizer_->chat_template().empty());
   return info;
 }
 

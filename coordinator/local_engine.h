@@ -212,6 +212,9 @@ class LocalEngine final : public Engine {
     std::string abort_reason;
   };
 
+  // The prompt text of a chat input (the model's chat template), or
+  // InvalidArgument naming the field.
+  absl::StatusOr<std::string> RenderChat(const v1::ChatInput& chat) const;
   // Validates and converts `request` (the caller holds no lock).
   absl::StatusOr<Pending> Validate(const v1::GenerateRequest& request) const;
 
