@@ -30,9 +30,50 @@
 #include "common/status_macros.h"
 #include "exl3serve/v1/generation.grpc.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "nlohmann/json.hpp"
+#include "sharding/safetensors_json.h"
 
 namespace exl3serve::cli {
 namespace {
+
+// An OpenAI-style chat file as a ChatInput: an array of messages or an object
+// with messages, tools, chat_template_kwargs and add_generation_prompt.
+absl::Status ReadChatJson(const std::string& path, v1::ChatInput* chat) {
+  EXL3_ASSIGN_OR_RETURN(nlohmann::json j, sharding::ReadJsonFile(path));
+  const nlohmann::json& messages = j.is_array() ? j : j.value("messages", nlohmann::json());
+  if (!messages.is_array() || messages.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": no \"messages\" array"));
+  }
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const nlohmann::json& m = messages[i];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": messages[", i, "] needs a string role"));
+    }
+    v1::ChatMessage* out = chat->add_messages();
+    out->set_role(m["role"].get<std::string>());
+    if (m.contains("content") && m["content"].is_string()) out->set_content(m["content"].get<std::string>());
+    if (m.contains("tool_call_id") && m["tool_call_id"].is_string()) {
+      out->set_tool_call_id(m["tool_call_id"].get<std::string>());
+    }
+    if (m.contains("name") && m["name"].is_string()) out->set_name(m["name"].get<std::string>());
+    for (const nlohmann::json& c : m.value("tool_calls", nlohmann::json::array())) {
+      v1::ToolCall* call = out->add_tool_calls();
+      call->set_id(c.value("id", ""));
+      const nlohmann::json f = c.value("function", nlohmann::json::object());
+      call->set_function_name(f.value("name", ""));
+      const nlohmann::json args = f.value("arguments", nlohmann::json::object());
+      call->set_arguments_json(args.is_string() ? args.get<std::string>() : args.dump());
+    }
+  }
+  if (j.is_object()) {
+    if (j.contains("tools")) chat->set_tools_json(j["tools"].dump());
+    if (j.contains("chat_template_kwargs")) chat->set_template_kwargs_json(j["chat_template_kwargs"].dump());
+    if (j.contains("add_generation_prompt") && j["add_generation_prompt"].is_boolean()) {
+      chat->set_add_generation_prompt(j["add_generation_prompt"].get<bool>());
+    }
+  }
+  return absl::OkStatus();
+}
 
 namespace v1 = ::exl3serve::v1;
 
@@ -118,7 +159,7 @@ absl::Status WaitReady(const std::shared_ptr<grpc::Channel>& channel, int64_t wa
 CommandRunner RegisterClientCommand(CLI::App& app) {
   struct Args {
     std::string addr = "127.0.0.1:50051";
-    std::string prompt, prompt_ids, stop_ids, request_id;
+    std::string prompt, prompt_ids, stop_ids, request_id, chat_json;
     bool prompt_given = false;
     std::vector<std::string> stop;
     bool ids = false, ignore_eos = false, add_special_tokens = false, logprobs = false;
@@ -139,6 +180,11 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
   auto* prompt_ids =
       app.add_option("--prompt-ids", args->prompt_ids, "prompt as comma-separated token ids");
   prompt->excludes(prompt_ids);
+  auto* chat = app.add_option("--chat-json", args->chat_json,
+                              "a chat: JSON file with an array of messages, or {\"messages\": [...], "
+                              "\"tools\": [...], \"chat_template_kwargs\": {...}, "
+                              "\"add_generation_prompt\": bool} (the model's chat template renders it)");
+  chat->excludes(prompt)->excludes(prompt_ids);
   app.add_flag("--add-special-tokens", args->add_special_tokens,
                "with --prompt: apply the tokenizer's special-token template (BOS, ...)");
   app.add_flag("--ids", args->ids, "print generated token ids instead of text");
@@ -210,8 +256,11 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
       request.mutable_tokenized()->mutable_input_ids()->Add(ids.begin(), ids.end());
     } else if (!args->prompt.empty()) {
       request.set_text(args->prompt);
+    } else if (!args->chat_json.empty()) {
+      EXL3_RETURN_IF_ERROR(ReadChatJson(args->chat_json, request.mutable_chat()));
     } else {
-      return absl::InvalidArgumentError("client needs --prompt, --prompt-ids, --info or --health");
+      return absl::InvalidArgumentError(
+          "client needs --prompt, --prompt-ids, --chat-json, --info or --health");
     }
     request.set_add_special_tokens(args->add_special_tokens);
     request.set_deadline_ms(args->deadline_ms);

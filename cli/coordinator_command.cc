@@ -56,7 +56,7 @@
 //                                      # GPU ranks; `launch` passes them as worker
 //                                      # --nccl-* flags (boxes[].nccl overrides per box)
 //   kv: {bits: 16, num_pages: 256, page_size_tokens: 16}
-//   precision: {prefill: fp32, decode: fp32}   # EXL3 linears on every rank: prefill
+//   precision: {prefill: fp32, decode: int8}   # EXL3 linears on every rank: prefill
 //                                      # fp32|bf16, decode fp32|int8 (int8: mul1 linears;
 //                                      # a rank's own worker --*-precision flag wins)
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
@@ -239,6 +239,8 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
     EXL3_RETURN_IF_ERROR(Read(kv, "kv", "num_pages", &o.kv.num_pages));
     EXL3_RETURN_IF_ERROR(Read(kv, "kv", "page_size_tokens", &o.kv.page_size_tokens));
   }
+  // The CLI's defaults (cli/precision_flags.h): fp32 prefill, int8 decode.
+  o.decode_precision = kernels::TrellisGemmPrecision::kInt8;
   if (const YAML::Node p = root["precision"]; p.IsDefined()) {
     EXL3_RETURN_IF_ERROR(CheckKeys(p, "precision", {"prefill", "decode"}));
     struct Field {
@@ -248,7 +250,9 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
     };
     for (const Field& f : {Field{"prefill", &o.prefill_precision, "fp32 or bf16"},
                            Field{"decode", &o.decode_precision, "fp32 or int8"}}) {
-      std::string name = "fp32";
+      std::string name = *f.value == kernels::TrellisGemmPrecision::kInt8   ? "int8"
+                         : *f.value == kernels::TrellisGemmPrecision::kBf16 ? "bf16"
+                                                                            : "fp32";
       EXL3_RETURN_IF_ERROR(Read(p, "precision", f.key, &name));
       if (name == "fp32") {
         *f.value = kernels::TrellisGemmPrecision::kFloat;

@@ -41,8 +41,9 @@ void AddPrecisionFlags(CLI::App& app, PrecisionFlags* flags) {
           ->capture_default_str();
   flags->decode_option =
       app.add_option("--decode-precision", flags->decode,
-                     "EXL3 linears with <= 16 rows (decode): fp32 (exact) or int8 (mul1 "
-                     "linears only, others stay fp32; ~0.9 % error, ~1.8x GEMV); every rank")
+                     "EXL3 linears with <= 16 rows (decode): int8 (mul1 linears only, others "
+                     "stay fp32; +2 % KL at 4 bpw per docs/QUALITY.md, ~1.8x GEMV) or fp32 "
+                     "(exact); every rank")
           ->check(CLI::IsMember({"fp32", "int8"}))
           ->capture_default_str();
 }

@@ -60,7 +60,9 @@ for m in stories260K:stories260K/stories260K.bin:stories260K/tok512.bin \
         [ $cal = calib ] && flags+=(--calib "$OUT/calib.txt" --calib-cols 256 --calib-rows 64)
         "$BIN" --log-level warning convert --in "$D/fp32" --out "$q" "${flags[@]}" >/dev/null 2>"$q.log" ||
           { cat "$q.log"; exit 1; }
-        row "$name" "EXL3 $bits bpw $cb${cal/none/}${cal/calib/ calibrated}" "$q" "$D/fp32"
+        label="EXL3 $bits bpw $cb"
+        [ $cal = calib ] && label="$label calibrated"
+        row "$name" "$label" "$q" "$D/fp32"
       done
     done
   done

@@ -124,6 +124,16 @@ bad = pb.GenerateRequest(); bad.chat.messages.add(role="user", content="x"); bad
 refused(bad, "chat.template_kwargs_json")
 refused(pb.GenerateRequest(chat=pb.ChatInput()), "chat.messages")
 PY
+# The C++ client's --chat-json (an OpenAI-style file) gives the same tokens as the text.
+cat >"$WORK/chat.json" <<'JSON'
+{"messages": [{"role": "system", "content": "A story teller."}, {"role": "user", "content": "Tell me about Lily."}]}
+JSON
+chat_ids=$("$BIN" client --addr "$ADDR" --chat-json "$WORK/chat.json" --temperature 0 --max-tokens 12 --ignore-eos --ids) ||
+  fail "client --chat-json"
+text_ids=$("$BIN" client --addr "$ADDR" --prompt "$(printf '<s>[A story teller.]\nUser: Tell me about Lily.\nOnce upon a time')" \
+           --temperature 0 --max-tokens 12 --ignore-eos --ids) || fail "client --prompt"
+[ "$chat_ids" = "$text_ids" ] || fail "client --chat-json '$chat_ids' != text '$text_ids'"
+echo "client --chat-json == text: $chat_ids"
 kill -TERM "$SERVER_PID"; wait "$SERVER_PID"; SERVER_PID=""
 
 start "$WORK/plain"

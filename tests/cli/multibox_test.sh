@@ -227,6 +227,12 @@ done
 info_check 1 "" || { C --info; fail "GetServerInfo after re-forming"; }
 GOT=$(C --prompt-ids $PROMPT --max-tokens 16 --ignore-eos --ids --timeout-ms 60000) || fail "request after re-forming"
 [ "$GOT" = "$WANT" ] || fail "ids after re-forming differ: '$GOT' vs '$WANT'"
+# The readiness line is written by the coordinator's change callback, which can
+# trail the health answer under load: poll for it (bounded) instead of one look.
+for _ in $(seq 100); do
+  grep -q "^coordinator: ready (group generation [2-9]" "$WORK/lead.log" && break
+  sleep 0.1
+done
 grep -q "^coordinator: ready (group generation [2-9]" "$WORK/lead.log" || fail "no re-formed group generation in the coordinator's log"
 wait "$INFLIGHT" || { cat "$WORK/inflight.err"; fail "the request in flight during the outage failed"; }
 [ "$(cat "$WORK/inflight.out")" = "$WANT" ] || fail "the replayed request returned '$(cat "$WORK/inflight.out")', want '$WANT'"

@@ -20,7 +20,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 PROMPT=5,17,230,41,9,77,310,12,64,101,3,250,18,90,400,33,7,61,222,15
 common=(generate --model "$TMP/exl3" --prompt-ids "$PROMPT" --ids --max-tokens 24 --ignore-eos)
 
-exact=$("$BIN" --log-level warning "${common[@]}" --logits-out "$TMP/exact.npy")
+exact=$("$BIN" --log-level warning "${common[@]}" --decode-precision fp32 --logits-out "$TMP/exact.npy")
 tp=$("$BIN" "${common[@]}" --tp 2 --decode-precision int8 --prefill-precision bf16 \
      --logits-out "$TMP/tp.npy" 2>"$TMP/tp.log") || { cat "$TMP/tp.log" >&2; fail "tp 2 run"; }
 [ "$tp" = "$exact" ] || fail "greedy tokens differ: exact '$exact', tp2 int8/bf16 '$tp'"
