@@ -17,13 +17,10 @@ STORIES=$SHARED/models/stories260K
   { echo "SKIP: /usr/bin/python3 lacks grpcio/protobuf/jinja2"; exit 77; }
 [ -f "$BUILD/python/exl3serve/v1/generation_pb2_grpc.py" ] || { echo "SKIP: no Python stubs"; exit 77; }
 WORK=$(mktemp -d)
-SERVER_PID=""
-cleanup() {
-  [ -n "$SERVER_PID" ] && { kill -TERM "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; }
-  rm -rf "$WORK"
-}
+source "$SRC/tests/cli/lib/serve.sh"
+cleanup() { serve_stop >/dev/null 2>&1; rm -rf "$WORK"; }
 trap cleanup EXIT
-fail() { echo "FAIL: $*"; [ -f "$WORK/serve.log" ] && tail -20 "$WORK/serve.log"; exit 1; }
+fail() { echo "FAIL: $*"; [ -n "${LOG:-}" ] && [ -f "$LOG" ] && tail -20 "$LOG"; exit 1; }
 
 "$BIN" import-llama2c --in "$STORIES/stories260K.bin" --tokenizer "$STORIES/tok512.bin" --out "$WORK/hf" \
   >/dev/null || fail "import"
@@ -44,19 +41,7 @@ c["chat_template"] = (
 json.dump(c, open(p, "w"), indent=2)
 PY
 
-start() {
-  "$BIN" --log-level warning serve --model "$1" --tp 1 --port 0 >"$WORK/serve.log" 2>&1 &
-  SERVER_PID=$!
-  ADDR=""
-  for _ in $(seq 600); do
-    ADDR=$(sed -n 's/^listening on //p' "$WORK/serve.log")
-    [ -n "$ADDR" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || fail "serve exited"
-    sleep 0.1
-  done
-  "$BIN" client --addr "$ADDR" --health --wait-ready-ms 60000 >/dev/null || fail "not ready"
-}
-start "$WORK/hf"
+serve_start "$WORK/hf" --tp 1
 /usr/bin/python3 - "$ADDR" "$BUILD/python" "$WORK/hf/tokenizer_config.json" <<'PY' || fail "chat checks"
 import json, sys
 import grpc, jinja2
@@ -134,9 +119,9 @@ text_ids=$("$BIN" client --addr "$ADDR" --prompt "$(printf '<s>[A story teller.]
            --temperature 0 --max-tokens 12 --ignore-eos --ids) || fail "client --prompt"
 [ "$chat_ids" = "$text_ids" ] || fail "client --chat-json '$chat_ids' != text '$text_ids'"
 echo "client --chat-json == text: $chat_ids"
-kill -TERM "$SERVER_PID"; wait "$SERVER_PID"; SERVER_PID=""
+serve_stop || fail "serve exited non-zero"
 
-start "$WORK/plain"
+serve_start "$WORK/plain" --tp 1
 /usr/bin/python3 - "$ADDR" "$BUILD/python" <<'PY' || fail "a model without a template"
 import sys
 import grpc

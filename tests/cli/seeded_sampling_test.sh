@@ -23,21 +23,8 @@ BIN=$1
 SRC=${EXL3_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 BUILD=${EXL3_BUILD_DIR:-$(dirname "$(dirname "$BIN")")}
 WORK=$(mktemp -d)
-SERVER_PID=""
-
-stop_server() {
-  [ -n "$SERVER_PID" ] || return 0
-  local pid=$SERVER_PID ranks
-  ranks=$(pgrep -P "$pid" 2>/dev/null)
-  SERVER_PID=""
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-  wait "$pid"; local rc=$?
-  for r in $ranks; do kill -KILL "$r" 2>/dev/null; done
-  return $rc
-}
-cleanup() { stop_server >/dev/null 2>&1; rm -rf "$WORK"; }
+source "$SRC/tests/cli/lib/serve.sh"
+cleanup() { serve_stop >/dev/null 2>&1; rm -rf "$WORK"; }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 fail() {
@@ -54,37 +41,20 @@ if [ ! -f "$BUILD/python/exl3serve/v1/generation_pb2_grpc.py" ]; then
 fi
 py() { /usr/bin/python3 "$SRC/tests/cli/replay_client.py" --addr "$ADDR" --stubs "$BUILD/python" "$@"; }
 
-start() {  # start MODEL ARGS...: serve on a free port, wait until ready
-  local model=$1
-  shift
-  LOG="$WORK/serve-$(echo "$*" | tr -c 'a-z0-9' _).log"
-  "$BIN" --log-level warning serve --model "$model" "$@" --port 0 --kv-pages 600 \
-      --shutdown-grace-ms 2000 >"$LOG" 2>&1 &
-  SERVER_PID=$!
-  ADDR=""
-  for _ in $(seq 600); do
-    ADDR=$(sed -n 's/^listening on //p' "$LOG")
-    [ -n "$ADDR" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || fail "serve $* exited before listening"
-    sleep 0.1
-  done
-  [ -n "$ADDR" ] || fail "serve $*: no 'listening on' line in 60 s"
-  "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "serve $*: not ready"
-}
-
+EXTRA=(--kv-pages 600 --shutdown-grace-ms 2000)
 STREAMS=16
 TOKENS=32
 "$BIN" make-test-model --arch qwen3 --out "$WORK/dense" >/dev/null || fail "make-test-model qwen3"
 "$BIN" make-test-model --arch qwen3-moe --out "$WORK/moe" >/dev/null || fail "make-test-model qwen3-moe"
 
 # TP = 1: the references (alone), then all at once.
-start "$WORK/dense" --tp 1
+serve_start "$WORK/dense" --tp 1 "${EXTRA[@]}"
 for mode in greedy sampled; do
   flag=(); [ $mode = sampled ] && flag=(--sampled)
   py "${flag[@]}" refs --out "$WORK/$mode.json" --streams $STREAMS --max-tokens $TOKENS || fail "tp1 $mode refs"
   py "${flag[@]}" streams --refs "$WORK/$mode.json" --kill-pid 0 --expect same || fail "tp1 $mode batch"
 done
-stop_server || fail "serve --tp 1 exited non-zero"
+serve_stop || fail "serve --tp 1 exited non-zero"
 # The sampled streams really sample (a sampler stuck on the arg-max would pass the rest).
 /usr/bin/python3 - "$WORK/greedy.json" "$WORK/sampled.json" <<'PY' || fail "sampling is not sampling"
 import json, sys
@@ -110,7 +80,7 @@ got=$("$BIN" --log-level warning generate --model "$WORK/dense" --prompt-ids "$p
 echo "generate == serve (seeded sampling, float64 reference vs the ranks' sampler)"
 
 for tp in 2 3; do
-  start "$WORK/dense" --tp $tp
+  serve_start "$WORK/dense" --tp $tp "${EXTRA[@]}"
   for mode in greedy sampled; do
     flag=(); [ $mode = sampled ] && flag=(--sampled)
     py "${flag[@]}" refs --out "$WORK/$mode-tp$tp.json" --streams $STREAMS --max-tokens $TOKENS ||
@@ -124,38 +94,38 @@ for tp in 2 3; do
                             fail "tp$tp: not ready after the replay"; }
   done
   [ $tp = 2 ] && { py info --ready 1 --min-replays 1 || fail "tp2: no replay recorded"; }
-  stop_server || fail "serve --tp $tp exited non-zero"
+  serve_stop || fail "serve --tp $tp exited non-zero"
 done
 
 # MoE: TP = 1 alone vs EP = 2 in a batch.
-start "$WORK/moe" --tp 1
+serve_start "$WORK/moe" --tp 1 "${EXTRA[@]}"
 for mode in greedy sampled; do
   flag=(); [ $mode = sampled ] && flag=(--sampled)
   py "${flag[@]}" refs --out "$WORK/moe-$mode.json" --streams $STREAMS --max-tokens $TOKENS || fail "moe $mode refs"
 done
-stop_server || fail "serve moe --tp 1"
-start "$WORK/moe" --tp 2 --ep 2
+serve_stop || fail "serve moe --tp 1"
+serve_start "$WORK/moe" --tp 2 --ep 2 "${EXTRA[@]}"
 for mode in greedy sampled; do
   flag=(); [ $mode = sampled ] && flag=(--sampled)
   py "${flag[@]}" streams --refs "$WORK/moe-$mode.json" --kill-pid 0 --expect same || fail "moe ep2 $mode"
 done
-stop_server || fail "serve moe --ep 2"
+serve_stop || fail "serve moe --ep 2"
 
 # Greedy and sampled on the other test architectures: Llama at TP 1 vs TP 2,
 # Mixtral at TP 1 vs EP 2 (experts split across the ranks).
 for arch in llama mixtral; do
   "$BIN" make-test-model --arch $arch --out "$WORK/$arch" >/dev/null || fail "make-test-model $arch"
-  start "$WORK/$arch" --tp 1
+  serve_start "$WORK/$arch" --tp 1 "${EXTRA[@]}"
   for mode in greedy sampled; do
     flag=(); [ $mode = sampled ] && flag=(--sampled)
     py "${flag[@]}" refs --out "$WORK/$arch-$mode.json" --streams 8 --max-tokens $TOKENS || fail "$arch $mode refs"
   done
-  stop_server || fail "serve $arch --tp 1"
-  if [ $arch = llama ]; then start "$WORK/$arch" --tp 2; else start "$WORK/$arch" --tp 2 --ep 2; fi
+  serve_stop || fail "serve $arch --tp 1"
+  if [ $arch = llama ]; then serve_start "$WORK/$arch" --tp 2 "${EXTRA[@]}"; else serve_start "$WORK/$arch" --tp 2 --ep 2 "${EXTRA[@]}"; fi
   for mode in greedy sampled; do
     flag=(); [ $mode = sampled ] && flag=(--sampled)
     py "${flag[@]}" streams --refs "$WORK/$arch-$mode.json" --kill-pid 0 --expect same || fail "$arch $mode x2"
   done
-  stop_server || fail "serve $arch x2"
+  serve_stop || fail "serve $arch x2"
 done
 echo "seeded_sampling: OK"

@@ -18,41 +18,18 @@ TEXT=$SHARED/testdata/text/tinystories_valid_first1000.txt
 [ -f "$STORIES/stories260K.bin" ] && [ -f "$TEXT" ] || { echo "SKIP: $STORIES or $TEXT not found"; exit 77; }
 /usr/bin/python3 -c 'import numpy' 2>/dev/null || { echo "SKIP: no numpy for /usr/bin/python3"; exit 77; }
 WORK=$(mktemp -d)
-SERVER_PID=""
-stop_server() {
-  [ -n "$SERVER_PID" ] || return 0
-  local pid=$SERVER_PID ranks
-  ranks=$(pgrep -P "$pid" 2>/dev/null)
-  SERVER_PID=""
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
-  wait "$pid"; local rc=$?
-  for r in $ranks; do kill -KILL "$r" 2>/dev/null; done
-  return $rc
-}
-cleanup() { stop_server >/dev/null 2>&1; rm -rf "$WORK"; }
+source "$SRC/tests/cli/lib/serve.sh"
+cleanup() { serve_stop >/dev/null 2>&1; rm -rf "$WORK"; }
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 fail() { echo "FAIL: $*"; for f in "$WORK"/*.log; do [ -f "$f" ] && tail -20 "$f"; done; exit 1; }
 N=32
 
-serve_continuation() {  # serve_continuation MODEL -> prints the ids of the continuation
-  local log="$WORK/serve-$(basename "$1").log"
-  "$BIN" --log-level warning serve --model "$1" --tp 2 --port 0 >"$log" 2>&1 &
-  SERVER_PID=$!
-  local addr=""
-  for _ in $(seq 600); do
-    addr=$(sed -n 's/^listening on //p' "$log")
-    [ -n "$addr" ] && break
-    kill -0 "$SERVER_PID" 2>/dev/null || return 1
-    sleep 0.1
-  done
-  [ -n "$addr" ] || return 1
-  "$BIN" client --addr "$addr" --health --wait-ready-ms 120000 >/dev/null || return 1
-  "$BIN" client --addr "$addr" --prompt "Once upon a time" --add-special-tokens --temperature 0 \
-    --max-tokens $N --ignore-eos --ids || return 1
-  stop_server
+serve_continuation() {  # serve_continuation MODEL OUT: the continuation's ids into OUT
+  serve_start "$1" --tp 2
+  "$BIN" client --addr "$ADDR" --prompt "Once upon a time" --add-special-tokens --temperature 0 \
+    --max-tokens $N --ignore-eos --ids >"$2" || fail "client on $1"
+  serve_stop || fail "serve $1 exited non-zero"
 }
 
 "$BIN" import-llama2c --in "$STORIES/stories260K.bin" --tokenizer "$STORIES/tok512.bin" --out "$WORK/hf" \
@@ -62,14 +39,14 @@ prompt=$("$BIN" tokenize --model "$WORK/hf" --text "Once upon a time" | tr -d '[
 want=$(/usr/bin/python3 "$SRC/tests/cli/eval_reference.py" --greedy "$STORIES/stories260K.bin" "1,$prompt" $N) ||
   fail "float64 reference"
 
-got=$(serve_continuation "$WORK/hf") || fail "serving the unquantized model"
-got=$(echo $got)
+serve_continuation "$WORK/hf" "$WORK/hf.ids"
+got=$(echo $(cat "$WORK/hf.ids"))
 [ "$got" = "$want" ] || fail "unquantized served '$got' != float64 reference '$want'"
 text=$("$BIN" tokenize --model "$WORK/hf" --decode "$(echo $want | tr ' ' ',')")
 echo "unquantized, $N tokens = float64 reference: Once upon a time$text"
 
-q4=$(serve_continuation "$WORK/q4") || fail "serving the 4 bpw model"
-q4=$(echo $q4)
+serve_continuation "$WORK/q4" "$WORK/q4.ids"
+q4=$(echo $(cat "$WORK/q4.ids"))
 "$BIN" --log-level warning eval --model "$WORK/q4" --reference "$WORK/hf" --text "$TEXT" --range second-half \
   --max-tokens 2000 --json "$WORK/q4.json" --no-progress >/dev/null || fail "eval"
 q4_text=$("$BIN" tokenize --model "$WORK/hf" --decode "$(echo $q4 | tr ' ' ',')")

@@ -1,0 +1,38 @@
+# Sourced by tests/cli/*_test.sh that run `exl3serve serve` on a free port:
+# start it, wait for readiness (a handshake: the "listening on" line, then the
+# health RPC until SERVING; no sleep stands in for it), and stop it with every
+# rank process it started. The caller defines BIN, WORK and fail() and calls
+# serve_stop from its EXIT trap.
+#   serve_start MODEL [serve flags...]   sets SERVER_PID, ADDR and LOG ($WORK/serve-*.log)
+#   serve_stop                           SIGTERM (20 s), then SIGKILL; SIGKILLs the ranks;
+#                                        returns serve's exit status
+SERVER_PID=""
+ADDR=""
+serve_stop() {
+  [ -n "$SERVER_PID" ] || return 0
+  local pid=$SERVER_PID ranks
+  ranks=$(pgrep -P "$pid" 2>/dev/null)
+  SERVER_PID=""
+  kill -TERM "$pid" 2>/dev/null
+  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "$pid" 2>/dev/null && kill -KILL "$pid"
+  wait "$pid"; local rc=$?
+  for r in $ranks; do kill -KILL "$r" 2>/dev/null; done  # no rank outlives the test
+  return $rc
+}
+serve_start() {
+  local model=$1
+  shift
+  LOG="$WORK/serve-$(basename "$model")-$(echo "$*" | tr -c 'a-z0-9' _).log"
+  "$BIN" --log-level warning serve --model "$model" "$@" --port 0 >"$LOG" 2>&1 &
+  SERVER_PID=$!
+  ADDR=""
+  for _ in $(seq 600); do  # the port line comes before the ranks load
+    ADDR=$(sed -n 's/^listening on //p' "$LOG")
+    [ -n "$ADDR" ] && break
+    kill -0 "$SERVER_PID" 2>/dev/null || fail "serve $* exited before listening"
+    sleep 0.1
+  done
+  [ -n "$ADDR" ] || fail "serve $*: no 'listening on' line in 60 s"
+  "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "serve $*: not ready in 120 s"
+}
