@@ -33,12 +33,7 @@ fail() {
   exit 1
 }
 
-if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then
-  echo "skip: /usr/bin/python3 lacks grpcio/protobuf (apt python3-grpcio python3-protobuf)"; exit 77
-fi
-if [ ! -f "$BUILD/python/exl3serve/v1/generation_pb2_grpc.py" ]; then
-  echo "skip: no Python stubs in $BUILD/python (needs /usr/bin/grpc_python_plugin)"; exit 77
-fi
+require_python_grpc
 py() { /usr/bin/python3 "$SRC/tests/cli/replay_client.py" --addr "$ADDR" --stubs "$BUILD/python" "$@"; }
 
 EXTRA=(--kv-pages 600 --shutdown-grace-ms 2000)

@@ -17,24 +17,11 @@ BIN=$1
 SRC=${EXL3_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 BUILD=${EXL3_BUILD_DIR:-$(dirname "$(dirname "$BIN")")}
 WORK=$(mktemp -d)
-SERVER_PID=""
 PY_PID=""
-
-stop_server() {  # SIGTERM, up to 20 s, then SIGKILL; returns the exit status
-  [ -n "$SERVER_PID" ] || return 0
-  local pid=$SERVER_PID ranks
-  ranks=$(pgrep -P "$pid" 2>/dev/null)
-  SERVER_PID=""
-  kill -TERM "$pid" 2>/dev/null
-  for _ in $(seq 200); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "$pid" 2>/dev/null && { echo "serve did not stop in 20 s; SIGKILL"; kill -KILL "$pid"; }
-  wait "$pid"; local rc=$?
-  for r in $ranks; do kill -KILL "$r" 2>/dev/null; done  # no rank outlives the test
-  return $rc
-}
+source "$SRC/tests/cli/lib/serve.sh"
 cleanup() {
   [ -n "$PY_PID" ] && kill -KILL "$PY_PID" 2>/dev/null
-  stop_server >/dev/null 2>&1
+  serve_stop >/dev/null 2>&1
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -45,28 +32,11 @@ fail() {
   exit 1
 }
 
-if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then
-  echo "skip: /usr/bin/python3 lacks grpcio/protobuf (apt python3-grpcio python3-protobuf)"; exit 77
-fi
-if [ ! -f "$BUILD/python/exl3serve/v1/generation_pb2_grpc.py" ]; then
-  echo "skip: no Python stubs in $BUILD/python (needs /usr/bin/grpc_python_plugin)"; exit 77
-fi
+require_python_grpc
 py() { /usr/bin/python3 "$SRC/tests/cli/replay_client.py" --addr "$ADDR" --stubs "$BUILD/python" "$@"; }
 
 "$BIN" make-test-model --arch llama --peaked-logits --out "$WORK/model" >/dev/null || fail "make-test-model"
-LOG="$WORK/serve.log"
-"$BIN" --log-level warning serve --model "$WORK/model" --tp 2 --port 0 --kv-pages 400 \
-    --shutdown-grace-ms 2000 >"$LOG" 2>&1 &
-SERVER_PID=$!
-ADDR=""
-for _ in $(seq 600); do  # the port line comes before the ranks load
-  ADDR=$(sed -n 's/^listening on //p' "$LOG")
-  [ -n "$ADDR" ] && break
-  kill -0 "$SERVER_PID" 2>/dev/null || fail "serve exited before listening"
-  sleep 0.1
-done
-[ -n "$ADDR" ] || fail "no 'listening on' line in 60 s"
-"$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "not ready in 120 s"
+serve_start "$WORK/model" --tp 2 --kv-pages 400 --shutdown-grace-ms 2000
 
 RANKS=$(pgrep -P "$SERVER_PID" -f worker | tr '\n' ' ')
 [ "$(echo $RANKS | wc -w)" = 2 ] || fail "want 2 worker children of serve (pid $SERVER_PID), found [$RANKS]"
@@ -87,6 +57,6 @@ for pid in $NEW; do
 done
 echo "ranks: [$RANKS] -> [$NEW]"
 "$BIN" client --addr "$ADDR" --health --deep >/dev/null || fail "deep health after re-formation"
-stop_server; rc=$?
+serve_stop; rc=$?
 [ $rc = 0 ] || fail "serve exited $rc after SIGTERM"
 echo "serve_replay: OK"

@@ -6,6 +6,8 @@
 #   serve_start MODEL [serve flags...]   sets SERVER_PID, ADDR and LOG ($WORK/serve-*.log)
 #   serve_stop                           SIGTERM (20 s), then SIGKILL; SIGKILLs the ranks;
 #                                        returns serve's exit status
+#   require_python_grpc                  exit 77 (skip, saying why) unless /usr/bin/python3 has
+#                                        grpcio/protobuf and $BUILD/python holds the stubs
 SERVER_PID=""
 ADDR=""
 serve_stop() {
@@ -35,4 +37,12 @@ serve_start() {
   done
   [ -n "$ADDR" ] || fail "serve $*: no 'listening on' line in 60 s"
   "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "serve $*: not ready in 120 s"
+}
+require_python_grpc() {
+  if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then
+    echo "skip: /usr/bin/python3 lacks grpcio/protobuf (apt python3-grpcio python3-protobuf)"; exit 77
+  fi
+  if [ ! -f "$BUILD/python/exl3serve/v1/generation_pb2_grpc.py" ]; then
+    echo "skip: no Python stubs in $BUILD/python (needs /usr/bin/grpc_python_plugin)"; exit 77
+  fi
 }
