@@ -23,6 +23,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "absl/cleanup/cleanup.h"
 #include "gtest/gtest.h"
 #include "sharding/test_model.h"
 #include "tests/testing/scratch_dir.h"
@@ -514,6 +515,13 @@ class DyingExecutor final : public worker::StepExecutor {
   absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
                               std::span<const uint8_t>,
                               std::vector<worker::SampledToken>* tokens) override {
+    {
+      // The first forward waits until the test has submitted everything, so
+      // the death cannot come before the last Submit (a rank-side forward is
+      // fast enough to beat the submitting thread).
+      absl::MutexLock lock(&mu_);
+      mu_.Await(absl::Condition(&armed_));
+    }
     if (left_-- <= 0) dead_ = true;
     if (dead_) return Check();
     tokens->assign(batch.size(), worker::SampledToken{});
@@ -528,6 +536,15 @@ class DyingExecutor final : public worker::StepExecutor {
   }
   int left_;
   bool dead_ = false;
+  absl::Mutex mu_;
+  bool armed_ ABSL_GUARDED_BY(mu_) = false;
+
+ public:
+  // Lets forwards run (they wait for this).
+  void Arm() {
+    absl::MutexLock lock(&mu_);
+    armed_ = true;
+  }
 };
 
 // An in-process executor (caller-assigned cache) that audits, after every
@@ -657,13 +674,16 @@ TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
   EngineModel m;
   m.facts = {.arch = model->transformer->config().arch,
              .eos_token_ids = model->transformer->config().eos_token_ids};
-  auto engine = std::make_unique<LocalEngine>(options, std::move(m),
-                                              std::make_unique<DyingExecutor>(5));
+  auto dying = std::make_unique<DyingExecutor>(5);
+  DyingExecutor* executor = dying.get();
+  auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(dying));
+  absl::Cleanup arm_on_any_exit = [executor] { executor->Arm(); };  // never leave it waiting
   std::vector<std::unique_ptr<Stream>> streams;
   for (int i = 0; i < 8; ++i) {
     streams.push_back(std::make_unique<Stream>());
     ASSERT_TRUE(engine->Submit(Request(Prompt(4, i), 50), streams.back()->Callback()).ok());
   }
+  executor->Arm();
   for (auto& s : streams) {
     v1::GenerateResponse r = s->Wait();
     ASSERT_TRUE(r.has_error()) << r.DebugString();
