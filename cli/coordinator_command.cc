@@ -32,6 +32,10 @@
 //   api_address: 127.0.0.1:50051       # the public gRPC API (port 0 = any); an
 //                                      # address other than loopback needs tls +
 //                                      # auth_token_file (or tls.client_ca)
+//   http_address: ""                   # the OpenAI HTTP API, e.g. 127.0.0.1:8000 ("" = off;
+//                                      # same TLS and token as api_address)
+//   http: {served_model_names: [name], tool_call_parser: auto, reasoning_parser: auto,
+//          threads: 512}
 //   tls:
 //     cert: server.pem                 # the public API's TLS
 //     key: server.key
@@ -69,6 +73,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -77,6 +82,7 @@
 #include "cli/cluster_keys.h"
 #include "cli/commands.h"
 #include "cli/coordinator_run.h"
+#include "cli/http_flags.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "coordinator/grpc_server.h"
@@ -139,6 +145,7 @@ struct CoordinatorConfig {
   coordinator::RankGroupOptions group;
   coordinator::EngineOptions engine;
   coordinator::GrpcServerOptions server;
+  HttpFlags http;  // port -1: off
   int64_t shutdown_grace_ms = 5000;
 };
 
@@ -179,6 +186,7 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
                                   "threads_per_rank", "comm", "kv", "engine", "timeouts", "tls",
                                   "auth_token_file", "insecure_listen_any", "rank_token_file",
                                   "insecure_rank_listen_any", "capacities", "precision",
+                                  "http_address", "http",
                                   "boxes"}));  // boxes: `exl3serve launch` (cli/launch_command.cc)
   EXL3_RETURN_IF_ERROR(Read(root, "", "model_dir", &o.model_dir));
   EXL3_RETURN_IF_ERROR(Read(root, "", "world_size", &o.world_size));
@@ -316,6 +324,20 @@ absl::StatusOr<CoordinatorConfig> LoadConfig(const std::string& file) {
   EXL3_RETURN_IF_ERROR(Read(root, "", "api_address", &api_address));
   EXL3_RETURN_IF_ERROR(
       ParseAddress("api_address", api_address, &config.server.host, &config.server.port));
+  std::string http_address;
+  EXL3_RETURN_IF_ERROR(Read(root, "", "http_address", &http_address));
+  if (!http_address.empty()) {
+    EXL3_RETURN_IF_ERROR(
+        ParseAddress("http_address", http_address, &config.http.host, &config.http.port));
+  }
+  if (const YAML::Node http = root["http"]; http.IsDefined()) {
+    EXL3_RETURN_IF_ERROR(CheckKeys(http, "http", {"served_model_names", "tool_call_parser",
+                                                  "reasoning_parser", "threads"}));
+    EXL3_RETURN_IF_ERROR(Read(http, "http", "served_model_names", &config.http.served_model_names));
+    EXL3_RETURN_IF_ERROR(Read(http, "http", "tool_call_parser", &config.http.tool_call_parser));
+    EXL3_RETURN_IF_ERROR(Read(http, "http", "reasoning_parser", &config.http.reasoning_parser));
+    EXL3_RETURN_IF_ERROR(Read(http, "http", "threads", &config.http.threads));
+  }
   coordinator::RankEndpointSecurity& rank_security = o.security;
   if (const YAML::Node tls = root["tls"]; tls.IsDefined()) {
     EXL3_RETURN_IF_ERROR(CheckKeys(tls, "tls",
@@ -417,15 +439,20 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--metrics-host", *metrics_host, "address of the /metrics endpoint")
       ->capture_default_str();
+  auto http_port = std::make_shared<int>(-1);
+  app.add_option("--http-port", *http_port,
+                 "the OpenAI HTTP API on http_address's host at this port (overrides the config's "
+                 "port; 0 = any free port; -1 = as the config says)");
   app.footer(
       "Serves exl3serve.v1.Generation + grpc.health.v1 on api_address (SERVING while every rank\n"
       "is loaded); ranks join with `exl3serve worker --coordinator HOST:PORT --rank R --reconnect`.\n"
       "Example config: deploy/cluster/local-2-ranks.yaml");
-  return [config, port_file, metrics_port, metrics_host]() -> absl::Status {
+  return [config, port_file, metrics_port, metrics_host, http_port]() -> absl::Status {
     return RunCoordinator(CoordinatorRunOptions{.config = *config,
                                                 .port_file = *port_file,
                                                 .metrics_port = *metrics_port,
-                                                .metrics_host = *metrics_host});
+                                                .metrics_host = *metrics_host,
+                                                .http_port = *http_port});
   };
 }
 
@@ -464,12 +491,14 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
     coordinator::RemoteRankGroup* group = owned_group.get();
     cfg.engine.executor_ready = [group] { return group->ready(); };
     cfg.engine.rank_info = [group] { return RankInfos(*group); };
+    if (options.http_port >= 0) cfg.http.port = options.http_port;
     std::unique_ptr<coordinator::ServingMetrics> metrics;  // outlives the engine
-    if (*metrics_port > 0) {
+    if (*metrics_port > 0 || cfg.http.enabled()) {
+      // Without --metrics-port the HTTP API's /metrics serves the registry.
       EXL3_ASSIGN_OR_RETURN(metrics, coordinator::ServingMetrics::Start(
-                                         *metrics_host, *metrics_port, cfg.group.world_size,
-                                         &cfg.engine));
-      std::printf("metrics: coordinator %s\n", metrics->url().c_str());
+                                         *metrics_host, *metrics_port > 0 ? *metrics_port : -1,
+                                         cfg.group.world_size, &cfg.engine));
+      if (*metrics_port > 0) std::printf("metrics: coordinator %s\n", metrics->url().c_str());
     }
     auto engine = std::make_unique<coordinator::LocalEngine>(cfg.engine, std::move(model),
                                                              std::move(owned_group));
@@ -487,6 +516,16 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
       hook->server = server.get();
     }
     std::printf("listening on %s\n", server->address().c_str());
+    auto http_or = StartHttpServer(*engine, cfg.http, cfg.server, metrics.get(), cfg.engine.model_dir);
+    if (!http_or.ok()) {
+      detach_health();
+      server->Shutdown(absl::ZeroDuration());
+      group->Shutdown("the coordinator could not start its HTTP API");
+      engine->Shutdown();
+      return absl::Status(http_or.status().code(),
+                          absl::StrCat(http_or.status().message(), " (http_address)"));
+    }
+    std::unique_ptr<coordinator::http::HttpServer> http = std::move(*http_or);
     std::printf("coordinator: waiting for %d ranks on port %d (model %s)\n", cfg.group.world_size,
                 group->port(), cfg.group.model_dir.c_str());
     std::fflush(stdout);
@@ -536,7 +575,14 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
     std::fflush(stdout);
     // Streams get the grace period; then the group stops (a step or a wait
     // for re-formation in flight ends at once) and the engine aborts the rest.
-    server->Shutdown(absl::Milliseconds(cfg.shutdown_grace_ms));
+    {
+      const absl::Duration grace = absl::Milliseconds(cfg.shutdown_grace_ms);
+      std::thread http_drain([&] {
+        if (http != nullptr) http->Shutdown(grace);
+      });
+      server->Shutdown(grace);
+      http_drain.join();
+    }
     group->Shutdown("the coordinator was stopped");
     detach_health();  // before the server goes away
     engine->Shutdown();

@@ -14,6 +14,7 @@ struct CoordinatorRunOptions {
   std::string port_file;  // "" = none; else the bound rank port is written here
   int metrics_port = 0;   // coordinator /metrics (0 = off)
   std::string metrics_host = "127.0.0.1";
+  int http_port = -1;     // >= 0: the HTTP API on this port (0 = any), over the config's
 };
 
 // Runs until SIGINT/SIGTERM (blocks both in the calling thread; threads the

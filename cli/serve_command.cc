@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
@@ -32,6 +33,7 @@
 #include "absl/time/time.h"
 #include "cli/commands.h"
 #include "cli/capacity_flags.h"
+#include "cli/http_flags.h"
 #include "cli/precision_flags.h"
 #include "cli/spill_flags.h"
 #include "common/logging.h"
@@ -87,6 +89,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     SpillFlags spill;
     std::string capacities;
     PrecisionFlags precision;
+    HttpFlags http;
   };
   auto args = std::make_shared<Args>();
   args->server.port = 50051;
@@ -147,6 +150,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       ->capture_default_str();
   AddSpillFlags(app, &args->spill);
   AddPrecisionFlags(app, &args->precision);
+  AddHttpFlags(app, &args->http);
   return [args]() -> absl::Status {
     EXL3_RETURN_IF_ERROR(InstallStopSignals());
     EXL3_RETURN_IF_ERROR(coordinator::CheckListenPolicy(args->server));
@@ -177,13 +181,17 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       }
       std::printf("metrics: coordinator %s\n", metrics->url().c_str());
       std::fflush(stdout);
+    } else if (args->http.enabled()) {
+      // No /metrics port of its own: the HTTP API serves the registry.
+      EXL3_ASSIGN_OR_RETURN(metrics, coordinator::ServingMetrics::Start(args->metrics_host, -1, ranks,
+                                                                        &engine_options));
     }
     EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::Engine> engine,
                           coordinator::CreateLocalEngine(engine_options));
     std::unique_ptr<coordinator::ServingMetrics::Attachment> attached;
     if (metrics != nullptr) {
       attached = metrics->Attach(*engine);
-      for (int r = 0; ranks > 1 && r < ranks; ++r) {
+      for (int r = 0; ranks > 1 && args->metrics_port > 0 && r < ranks; ++r) {
         std::printf("metrics: rank %d http://%s:%d/metrics\n", r, args->metrics_host.c_str(),
                     args->metrics_port + 1 + r);
       }
@@ -197,10 +205,24 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     std::unique_ptr<coordinator::GrpcServer> server = std::move(*server_or);
     std::printf("listening on %s\n", server->address().c_str());
     std::fflush(stdout);
+    auto http_or = StartHttpServer(*engine, args->http, args->server, metrics.get(),
+                                   args->engine.model_dir);
+    if (!http_or.ok()) {
+      server->Shutdown(absl::ZeroDuration());
+      engine->Shutdown();
+      return http_or.status();
+    }
+    std::unique_ptr<coordinator::http::HttpServer> http = std::move(*http_or);
 
     auto stop = [&](int signal) {
       if (signal != 0) EXL3_LOG(kInfo) << "serve: signal " << signal << ", shutting down";
-      server->Shutdown(absl::Milliseconds(args->shutdown_grace_ms));
+      const absl::Duration grace = absl::Milliseconds(args->shutdown_grace_ms);
+      // Both APIs drain at once, each with the whole grace period.
+      std::thread http_drain([&] {
+        if (http != nullptr) http->Shutdown(grace);
+      });
+      server->Shutdown(grace);
+      http_drain.join();
       engine->Shutdown();
     };
     const absl::Time ready_by = absl::Now() + absl::Milliseconds(args->ready_timeout_ms);

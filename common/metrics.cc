@@ -16,6 +16,7 @@
 #include "prometheus/collectable.h"
 #include "prometheus/exposer.h"
 #include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 
 // The /metrics server's threads need more stack than civetweb gives them.
 // Debian's libcivetweb (under prometheus-cpp's Exposer) creates its worker
@@ -105,6 +106,14 @@ absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(const st
     bound = ports.front();
   }
   return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(std::move(impl), host, bound));
+}
+
+std::unique_ptr<MetricsEndpoint> MetricsEndpoint::Unexposed(const std::string& host) {
+  return std::unique_ptr<MetricsEndpoint>(new MetricsEndpoint(std::make_unique<Impl>(), host, 0));
+}
+
+std::string MetricsEndpoint::RenderText() const {
+  return prometheus::TextSerializer().Serialize(impl_->collectable->Collect());
 }
 
 MetricsEndpoint::MetricsEndpoint(std::unique_ptr<Impl> impl, std::string host, int port)

@@ -38,8 +38,16 @@ class MetricsEndpoint {
   // an address of this machine).
   static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(const std::string& host,
                                                                 int port);
+  // A registry without a server of its own: another server (the
+  // coordinator's HTTP API) serves RenderText() at its /metrics. port() is 0.
+  static std::unique_ptr<MetricsEndpoint> Unexposed(const std::string& host);
+
   // Stops serving (waits for scrapes in progress).
   ~MetricsEndpoint();
+
+  // The Prometheus text exposition of the registry, after the scrape hook
+  // (what a scrape of url() returns).
+  std::string RenderText() const;
 
   MetricsEndpoint(const MetricsEndpoint&) = delete;
   MetricsEndpoint& operator=(const MetricsEndpoint&) = delete;

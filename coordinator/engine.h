@@ -19,9 +19,12 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "absl/status/statusor.h"
 #include "exl3serve/v1/generation.pb.h"
 
 namespace exl3serve::coordinator {
+
+class Tokenizer;
 
 namespace v1 = ::exl3serve::v1;
 
@@ -50,6 +53,20 @@ class Engine {
 
   virtual v1::GetModelInfoResponse GetModelInfo() const = 0;
   virtual v1::GetServerInfoResponse GetServerInfo() const = 0;
+
+  // The model's tokenizer, or null when it has none (token-id input only);
+  // lives as long as the engine. Front ends use it for token strings
+  // (logprobs), /tokenize and echo.
+  virtual const Tokenizer* tokenizer() const { return nullptr; }
+  // The prompt text `chat` renders to with the model's chat template, as
+  // Submit renders it. InvalidArgument naming the field (chat.messages[i].role,
+  // chat.tools_json, ...) or when the model has no template.
+  virtual absl::StatusOr<std::string> RenderChat(const v1::ChatInput& chat) const {
+    return absl::UnimplementedError("this engine does not render chat templates");
+  }
+  // False when Submit would refuse a request for a full queue right now
+  // (checked before a front end renders and tokenizes a prompt).
+  virtual bool AdmitsRequests() const { return true; }
 
   // Ready: every rank present, loaded and warmed up, not shutting down.
   virtual bool ready() const = 0;

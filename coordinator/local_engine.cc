@@ -138,6 +138,15 @@ absl::StatusOr<std::string> LocalEngine::RenderChat(const v1::ChatInput& chat) c
   }
   ChatPromptOptions options;
   options.add_generation_prompt = !chat.has_add_generation_prompt() || chat.add_generation_prompt();
+  if (chat.continue_final_message()) {
+    if (chat.has_add_generation_prompt() && chat.add_generation_prompt()) {
+      return Invalid("chat.continue_final_message", "excludes add_generation_prompt");
+    }
+    if (chat.messages(chat.messages_size() - 1).role() != "assistant") {
+      return Invalid("chat.continue_final_message", "the last message must be an assistant message");
+    }
+    options.add_generation_prompt = false;
+  }
   if (!chat.tools_json().empty()) {
     options.tools = ojson::parse(chat.tools_json(), nullptr, false);
     if (options.tools.is_discarded() || !options.tools.is_array()) {
@@ -152,6 +161,18 @@ absl::StatusOr<std::string> LocalEngine::RenderChat(const v1::ChatInput& chat) c
   }
   absl::StatusOr<std::string> rendered = RenderChatPrompt(*tokenizer_, messages, options);
   if (!rendered.ok()) return Invalid("chat", std::string(rendered.status().message()));
+  if (chat.continue_final_message()) {
+    // As transformers: cut the prompt after the final message's content, so
+    // the template's end-of-turn after it is not part of the prompt.
+    const std::string& final_content = chat.messages(chat.messages_size() - 1).content();
+    const size_t at = final_content.empty() ? std::string::npos : rendered->rfind(final_content);
+    if (at == std::string::npos) {
+      return Invalid("chat.continue_final_message",
+                     "the final message's content does not appear in the rendered prompt "
+                     "(the template changes it), so it cannot be continued");
+    }
+    rendered->resize(at + final_content.size());
+  }
   return rendered;
 }
 
@@ -294,9 +315,23 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
   return p;
 }
 
+bool LocalEngine::AdmitsRequests() const {
+  absl::MutexLock lock(&mu_);
+  return stat_waiting_ + static_cast<int64_t>(inbox_.size()) < options_.max_queue;
+}
+
 absl::Status LocalEngine::Submit(const v1::GenerateRequest& request,
                                  ResponseCallback on_response) {
   EXL3_RETURN_IF_ERROR(kv_layout_error_);
+  // A full queue refuses before the prompt is rendered and tokenized (the
+  // costly part of validation); checked again below, under the same lock as
+  // the enqueue.
+  if (!AdmitsRequests()) {
+    absl::MutexLock lock(&mu_);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "queue full: ", stat_waiting_ + static_cast<int64_t>(inbox_.size()),
+        " requests wait (max_queue ", options_.max_queue, "); retry later"));
+  }
   EXL3_ASSIGN_OR_RETURN(Pending p, Validate(request));
   p.callback = std::move(on_response);
   if (options_.executor_ready && !options_.executor_ready()) {
@@ -363,6 +398,7 @@ v1::GetModelInfoResponse LocalEngine::GetModelInfo() const {
   info.set_bits_per_weight(bits_per_weight_);
   for (int32_t id : facts_.eos_token_ids) info.add_eos_token_ids(id);
   info.set_has_chat_template(tokenizer_ != nullptr && !tokenizer_->chat_template().empty());
+  if (tokenizer_ != nullptr) info.set_chat_template(tokenizer_->chat_template());
   return info;
 }
 

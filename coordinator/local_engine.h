@@ -173,6 +173,9 @@ class LocalEngine final : public Engine {
   int Abort(const std::vector<std::string>& request_ids, const std::string& reason) override;
   v1::GetModelInfoResponse GetModelInfo() const override;
   v1::GetServerInfoResponse GetServerInfo() const override;
+  const Tokenizer* tokenizer() const override { return tokenizer_.get(); }
+  absl::StatusOr<std::string> RenderChat(const v1::ChatInput& chat) const override;
+  bool AdmitsRequests() const override;
   bool ready() const override;
   absl::Status DeepHealthCheck(absl::Time deadline) override;
   void Shutdown() override;
@@ -212,9 +215,6 @@ class LocalEngine final : public Engine {
     std::string abort_reason;
   };
 
-  // The prompt text of a chat input (the model's chat template), or
-  // InvalidArgument naming the field.
-  absl::StatusOr<std::string> RenderChat(const v1::ChatInput& chat) const;
   // Validates and converts `request` (the caller holds no lock).
   absl::StatusOr<Pending> Validate(const v1::GenerateRequest& request) const;
 

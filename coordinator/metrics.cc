@@ -308,9 +308,13 @@ void CoordinatorMetrics::OnGroupReformed(int64_t replayed) {
 absl::StatusOr<std::unique_ptr<ServingMetrics>> ServingMetrics::Start(
     const std::string& host, int port, int world_size, EngineOptions* engine_options) {
   std::unique_ptr<ServingMetrics> serving(new ServingMetrics());
-  auto endpoint = MetricsEndpoint::Start(host, port);
-  if (!endpoint.ok()) return endpoint.status();
-  serving->endpoint_ = std::move(*endpoint);
+  if (port < 0) {
+    serving->endpoint_ = MetricsEndpoint::Unexposed(host);
+  } else {
+    auto endpoint = MetricsEndpoint::Start(host, port);
+    if (!endpoint.ok()) return endpoint.status();
+    serving->endpoint_ = std::move(*endpoint);
+  }
   const worker::KvCacheOptions& kv = engine_options->kv;
   const char* dtype = kv.dtype == worker::KvCacheDtype::kFp32   ? "fp32"
                       : kv.dtype == worker::KvCacheDtype::kFp16 ? "fp16"

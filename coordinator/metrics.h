@@ -96,6 +96,7 @@ class ServingMetrics {
   // Serves /metrics on host:port and sets engine_options->observer (the
   // returned object must outlive the engine). world_size: the ranks, for
   // rank_up when the engine lists none. Errors: MetricsEndpoint::Start's.
+  // port < 0: no server of its own (the HTTP API serves RenderText()).
   static absl::StatusOr<std::unique_ptr<ServingMetrics>> Start(const std::string& host, int port,
                                                                int world_size,
                                                                EngineOptions* engine_options);
@@ -117,6 +118,10 @@ class ServingMetrics {
 
   std::string url() const { return endpoint_->url(); }
   int port() const { return endpoint_->port(); }
+  // The exposition a scrape returns (for the HTTP API's /metrics), and the
+  // registry further series (the HTTP API's) register in.
+  std::string RenderText() const { return endpoint_->RenderText(); }
+  prometheus::Registry& registry() { return endpoint_->registry(); }
 
  private:
   ServingMetrics() = default;

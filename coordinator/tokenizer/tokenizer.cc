@@ -211,6 +211,11 @@ absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids,
   return internal::ToValidUtf8(*bytes);
 }
 
+absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
+  const int32_t one[1] = {id};
+  return DecodeForStream(one, {}, /*sequence_start=*/false, /*keep_incomplete_tail=*/true, nullptr);
+}
+
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }
 
 std::optional<int32_t> Tokenizer::TokenToId(std::string_view token) const {

@@ -90,6 +90,12 @@ class Tokenizer {
   absl::StatusOr<std::string> Decode(std::span<const int32_t> ids,
                                      const DecodeOptions& options = {}) const;
 
+  // The bytes one token stands for inside a sequence (not at its start, so
+  // a SentencePiece "▁" is a space): may be an incomplete UTF-8 character
+  // for byte-level and byte-fallback tokens. For logprobs' `bytes`.
+  // Errors: as Decode.
+  absl::StatusOr<std::string> TokenBytes(int32_t id) const;
+
   // One past the largest id (vocabulary and added tokens).
   int32_t vocab_size() const;
   std::optional<int32_t> TokenToId(std::string_view token) const;

@@ -1,6 +1,9 @@
 #!/bin/bash
-# tests/fuzz/run.sh [SECONDS] — build the safetensors header fuzzer with clang
-# (libFuzzer + ASan + UBSan) straight from the sources and run it.
+# tests/fuzz/run.sh [TARGET] [SECONDS] — build a fuzzer with clang (libFuzzer
+# + ASan + UBSan) straight from the sources and run it. TARGET:
+# safetensors_header (default) or openai_request (the HTTP API's request
+# bodies; needs the generated protobuf code of a build, $EXL3_BUILD_DIR or
+# ./build).
 #
 # Build and corpus live in $EXL3_BUILD_DIR/fuzz (default /tmp/exl3serve-fuzz);
 # the corpus grows across runs. Exits non-zero when the fuzzer finds a crash,
@@ -8,6 +11,11 @@
 # <fuzz dir>/artifacts/. Reproduce with: <fuzz dir>/safetensors_header_fuzz FILE
 set -euo pipefail
 
+target=safetensors_header
+if [[ $# -gt 0 && ! $1 =~ ^[0-9]+$ ]]; then
+  target=$1
+  shift
+fi
 seconds=${1:-60}
 src=${EXL3_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 shared=${EXL3_SHARED_DIR:-$(cd "$src/.." && pwd)/shared}
@@ -20,6 +28,13 @@ cxx=${CLANGXX:-clang++}
 
 if ! command -v "$cxx" >/dev/null; then
   echo "run.sh: $cxx not found; install clang (and libclang-rt-dev) to fuzz" >&2
+  exit 2
+fi
+
+if [[ $target == openai_request ]]; then
+  exec "$src/tests/fuzz/run_openai_request.sh" "$seconds"
+elif [[ $target != safetensors_header ]]; then
+  echo "run.sh: unknown target $target (safetensors_header, openai_request)" >&2
   exit 2
 fi
 

@@ -3,7 +3,9 @@
 # health RPC until SERVING; no sleep stands in for it), and stop it with every
 # rank process it started. The caller defines BIN, WORK and fail() and calls
 # serve_stop from its EXIT trap.
-#   serve_start MODEL [serve flags...]   sets SERVER_PID, ADDR and LOG ($WORK/serve-*.log)
+#   serve_start MODEL [serve flags...]   sets SERVER_PID, ADDR and LOG ($WORK/serve-*.log);
+#                                        $SERVE_CLIENT_FLAGS (e.g. --token-file F) go to the
+#                                        readiness check's `client`
 #   serve_stop                           SIGTERM (20 s), then SIGKILL; SIGKILLs the ranks;
 #                                        returns serve's exit status
 #   require_python_grpc                  exit 77 (skip, saying why) unless /usr/bin/python3 has
@@ -36,7 +38,8 @@ serve_start() {
     sleep 0.1
   done
   [ -n "$ADDR" ] || fail "serve $*: no 'listening on' line in 60 s"
-  "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "serve $*: not ready in 120 s"
+  # shellcheck disable=SC2086  # SERVE_CLIENT_FLAGS is a word list
+  "$BIN" client --addr "$ADDR" ${SERVE_CLIENT_FLAGS:-} --health --wait-ready-ms 120000 >/dev/null || fail "serve $*: not ready in 120 s"
 }
 require_python_grpc() {
   if ! /usr/bin/python3 -c 'import grpc, google.protobuf' 2>/dev/null; then

@@ -1,0 +1,66 @@
+#include "cli/http_flags.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "common/metrics.h"
+#include "common/status_macros.h"
+
+namespace exl3serve::cli {
+
+void AddHttpFlags(CLI::App& app, HttpFlags* flags) {
+  app.add_option("--http-port", flags->port,
+                 "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, "
+                 "/tokenize, /health, /metrics) on this port; -1 = off, 0 = any free port")
+      ->capture_default_str();
+  app.add_option("--http-host", flags->host, "address of the HTTP API (default: --host)");
+  app.add_option("--served-model-name", flags->served_model_names,
+                 "names clients may send as `model` (repeatable; default: the model directory's name)");
+  app.add_option("--tool-call-parser", flags->tool_call_parser,
+                 "tool-call format of the model's output: auto (from the chat template), hermes, "
+                 "llama3_json, mistral, none")
+      ->capture_default_str();
+  app.add_option("--reasoning-parser", flags->reasoning_parser,
+                 "split <think>...</think> into reasoning_content: auto (the template uses it), "
+                 "think, none")
+      ->capture_default_str();
+  app.add_option("--http-threads", flags->threads,
+                 "HTTP connections served at once (each live stream holds one)")
+      ->capture_default_str();
+}
+
+absl::StatusOr<std::unique_ptr<coordinator::http::HttpServer>> StartHttpServer(
+    coordinator::Engine& engine, const HttpFlags& flags, const coordinator::GrpcServerOptions& grpc,
+    coordinator::ServingMetrics* metrics, const std::string& model_dir) {
+  if (!flags.enabled()) return std::unique_ptr<coordinator::http::HttpServer>();
+  coordinator::GrpcServerOptions policy = grpc;
+  policy.host = flags.host.empty() ? grpc.host : flags.host;
+  if (absl::Status s = coordinator::CheckListenPolicy(policy); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--http-host: ", s.message()));
+  }
+  coordinator::http::HttpServerOptions options;
+  options.host = policy.host;
+  options.port = flags.port;
+  options.served_model_names = flags.served_model_names;
+  if (options.served_model_names.empty()) options.served_model_names.push_back(ModelNameLabel(model_dir));
+  options.tls_cert_file = grpc.tls.cert_file;
+  options.tls_key_file = grpc.tls.key_file;
+  options.tls_client_ca_file = grpc.tls.client_ca_file;
+  options.auth_token_file = grpc.auth_token_file;
+  options.threads = flags.threads;
+  options.tool_call_parser = flags.tool_call_parser;
+  options.reasoning_parser = flags.reasoning_parser;
+  options.system_fingerprint = "exl3serve";
+  options.model_name_label = ModelNameLabel(model_dir);
+  if (metrics != nullptr) {
+    options.metrics_text = [metrics] { return metrics->RenderText(); };
+    options.registry = &metrics->registry();
+  }
+  EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::http::HttpServer> server,
+                        coordinator::http::HttpServer::Start(engine, options));
+  std::printf("http: listening on %s\n", server->address().c_str());
+  std::fflush(stdout);
+  return server;
+}
+
+}  // namespace exl3serve::cli

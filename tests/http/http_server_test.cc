@@ -1,0 +1,527 @@
+// The HTTP API end to end over a scripted engine (tests/http/scripted_engine.h):
+// bytes on the wire from a raw socket client (SSE framing, chunked encoding,
+// status codes and headers), tool calls and reasoning streamed and not,
+// every error status, and a client that disconnects aborting its request.
+#include "coordinator/http/http_server.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "tests/http/scripted_engine.h"
+
+namespace exl3serve::coordinator::http {
+namespace {
+
+using json = nlohmann::json;
+using ::testing::HasSubstr;
+
+struct RawResponse {
+  int status = 0;
+  std::map<std::string, std::string> headers;  // lower-case names
+  std::string body;                            // de-chunked
+};
+
+int Connect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a = {};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  return fd;
+}
+
+std::string RequestText(const std::string& method, const std::string& path, const std::string& body,
+                        const std::string& extra_headers = "") {
+  return absl::StrCat(method, " ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n",
+                      extra_headers, "Content-Type: application/json\r\nContent-Length: ", body.size(),
+                      "\r\n\r\n", body);
+}
+
+void SendAll(int fd, const std::string& data) {
+  size_t off = 0;
+  while (off < data.size()) {
+    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) return;  // the server may refuse early (413)
+    off += static_cast<size_t>(n);
+  }
+}
+
+RawResponse Parse(const std::string& raw) {
+  RawResponse r;
+  const size_t end = raw.find("\r\n\r\n");
+  if (end == std::string::npos) return r;
+  std::vector<std::string> lines = absl::StrSplit(raw.substr(0, end), "\r\n");
+  std::vector<std::string> status_line = absl::StrSplit(lines[0], ' ');
+  if (status_line.size() >= 2) (void)absl::SimpleAtoi(status_line[1], &r.status);
+  for (size_t i = 1; i < lines.size(); ++i) {
+    const size_t colon = lines[i].find(':');
+    std::string name = lines[i].substr(0, colon);
+    for (char& c : name) c = static_cast<char>(std::tolower(c));
+    r.headers[name] = std::string(absl::StripLeadingAsciiWhitespace(lines[i].substr(colon + 1)));
+  }
+  std::string rest = raw.substr(end + 4);
+  if (r.headers["transfer-encoding"] == "chunked") {
+    size_t pos = 0;
+    while (pos < rest.size()) {
+      const size_t eol = rest.find("\r\n", pos);
+      if (eol == std::string::npos) break;
+      const size_t len = std::stoul(rest.substr(pos, eol - pos), nullptr, 16);
+      if (len == 0) break;
+      r.body += rest.substr(eol + 2, len);
+      pos = eol + 2 + len + 2;
+    }
+  } else {
+    r.body = rest;
+  }
+  return r;
+}
+
+RawResponse Call(int port, const std::string& method, const std::string& path, const std::string& body = "",
+                 const std::string& extra_headers = "") {
+  const int fd = Connect(port);
+  SendAll(fd, RequestText(method, path, body, extra_headers));
+  std::string raw;
+  char buf[65536];
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0) raw.append(buf, static_cast<size_t>(n));
+  close(fd);
+  return Parse(raw);
+}
+
+// The data payloads of an SSE body; fails the test on any framing error.
+std::vector<std::string> Events(const std::string& body) {
+  std::vector<std::string> events;
+  size_t pos = 0;
+  while (pos < body.size()) {
+    const size_t end = body.find("\n\n", pos);
+    EXPECT_NE(end, std::string::npos) << "unterminated event at " << pos;
+    if (end == std::string::npos) break;
+    const std::string event = body.substr(pos, end - pos);
+    pos = end + 2;
+    if (absl::StartsWith(event, ":")) continue;  // comment (keep-alive)
+    EXPECT_TRUE(absl::StartsWith(event, "data: ")) << event;
+    EXPECT_EQ(event.find('\n'), std::string::npos) << "one line per event: " << event;
+    events.push_back(event.substr(6));
+  }
+  return events;
+}
+
+class HttpServerTest : public ::testing::Test {
+ protected:
+  void StartServer(HttpServerOptions options = {}) {
+    options.host = "127.0.0.1";
+    options.port = 0;
+    options.served_model_names = {"scripted", "scripted-alias"};
+    options.tool_call_parser = "hermes";
+    options.reasoning_parser = "think";
+    options.registry = &registry_;
+    options.model_name_label = "scripted";
+    options.metrics_text = [this] { return prometheus::TextSerializer().Serialize(registry_.Collect()); };
+    options.threads = 16;
+    auto s = HttpServer::Start(engine_, options);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = std::move(*s);
+  }
+  int port() const { return server_->port(); }
+
+  prometheus::Registry registry_;
+  testing::ScriptedEngine engine_;
+  std::unique_ptr<HttpServer> server_;
+};
+
+TEST_F(HttpServerTest, ChatNotStreamedHasTheOpenAiShapeAndUsage) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"model":"scripted","messages":[{"role":"user","content":"hi"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_THAT(r.headers["content-type"], HasSubstr("application/json"));
+  json j = json::parse(r.body);
+  EXPECT_TRUE(absl::StartsWith(j["id"].get<std::string>(), "chatcmpl-"));
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "scripted");
+  ASSERT_EQ(j["choices"].size(), 1u);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "Hello from the script.");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(j["usage"]["completion_tokens"], 8);  // 22 bytes in 3-byte tokens
+  EXPECT_EQ(j["usage"]["total_tokens"], j["usage"]["prompt_tokens"].get<int>() + 8);
+  EXPECT_EQ(j["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  // The engine got the rendered chat as text without added special tokens.
+  ASSERT_EQ(engine_.submitted().size(), 1u);
+  EXPECT_EQ(engine_.submitted()[0].text(), "user: hi\nassistant: ");
+  EXPECT_FALSE(engine_.submitted()[0].add_special_tokens());
+}
+
+TEST_F(HttpServerTest, ChatStreamIsFramedAsOpenAiDoes) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"model":"scripted-alias","stream":true,"stream_options":{"include_usage":true},
+                           "messages":[{"role":"user","content":"hi"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(r.headers["content-type"], "text/event-stream");
+  EXPECT_EQ(r.headers["transfer-encoding"], "chunked");
+  std::vector<std::string> events = Events(r.body);
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_TRUE(absl::EndsWith(r.body, "data: [DONE]\n\n"));
+  json first = json::parse(events[0]);
+  EXPECT_EQ(first["object"], "chat.completion.chunk");
+  EXPECT_EQ(first["model"], "scripted-alias");
+  EXPECT_EQ(first["choices"][0]["delta"], json({{"role", "assistant"}, {"content", ""}}));
+  EXPECT_TRUE(first["choices"][0]["finish_reason"].is_null());
+  std::string content;
+  std::string id = first["id"];
+  int finishes = 0;
+  for (size_t i = 1; i + 2 < events.size(); ++i) {
+    json c = json::parse(events[i]);
+    EXPECT_EQ(c["id"], id);
+    EXPECT_EQ(c["created"], first["created"]);
+    ASSERT_EQ(c["choices"].size(), 1u);
+    const json& delta = c["choices"][0]["delta"];
+    EXPECT_FALSE(delta.contains("role"));
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+    if (!c["choices"][0]["finish_reason"].is_null()) {
+      ++finishes;
+      EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+      EXPECT_EQ(i + 3, events.size()) << "the finishing chunk is the last choice chunk";
+    }
+  }
+  EXPECT_EQ(finishes, 1);
+  EXPECT_EQ(content, "Hello from the script.");
+  json usage = json::parse(events[events.size() - 2]);
+  EXPECT_EQ(usage["choices"], json::array());
+  EXPECT_EQ(usage["usage"]["completion_tokens"], 8);
+}
+
+TEST_F(HttpServerTest, ToolCallsStreamedEqualNotStreamed) {
+  StartServer();
+  const std::string tools =
+      R"("tools":[{"type":"function","function":{"name":"get_weather","parameters":{"type":"object"}}}])";
+  const std::string messages = R"("messages":[{"role":"user","content":"weather in Paris?"}])";
+  RawResponse whole = Call(port(), "POST", "/v1/chat/completions", absl::StrCat("{", tools, ",", messages, "}"));
+  ASSERT_EQ(whole.status, 200) << whole.body;
+  json j = json::parse(whole.body);
+  const json& message = j["choices"][0]["message"];
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_EQ(message["content"], "Let me check.");
+  ASSERT_EQ(message["tool_calls"].size(), 1u);
+  EXPECT_EQ(message["tool_calls"][0]["type"], "function");
+  EXPECT_EQ(message["tool_calls"][0]["function"]["name"], "get_weather");
+  EXPECT_EQ(message["tool_calls"][0]["function"]["arguments"], R"({"city": "Paris", "unit": "celsius"})");
+  EXPECT_TRUE(absl::StartsWith(message["tool_calls"][0]["id"].get<std::string>(), "call_"));
+
+  RawResponse streamed = Call(port(), "POST", "/v1/chat/completions",
+                              absl::StrCat("{\"stream\":true,", tools, ",", messages, "}"));
+  ASSERT_EQ(streamed.status, 200);
+  std::string content, name, arguments, finish;
+  int first_deltas = 0;
+  for (const std::string& e : Events(streamed.body)) {
+    if (e == "[DONE]") break;
+    json c = json::parse(e);
+    const json& choice = c["choices"][0];
+    if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+    const json& delta = choice["delta"];
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+    if (!delta.contains("tool_calls")) continue;
+    for (const json& call : delta["tool_calls"]) {
+      EXPECT_EQ(call["index"], 0);
+      if (call.contains("id")) {
+        ++first_deltas;
+        EXPECT_EQ(call["type"], "function");
+        name = call["function"]["name"];
+      } else {
+        EXPECT_FALSE(call["function"].contains("name"));
+      }
+      if (call["function"].contains("arguments")) arguments += call["function"]["arguments"].get<std::string>();
+    }
+  }
+  EXPECT_EQ(first_deltas, 1);
+  EXPECT_EQ(content, "Let me check.");
+  EXPECT_EQ(name, "get_weather");
+  EXPECT_EQ(arguments, message["tool_calls"][0]["function"]["arguments"]);
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST_F(HttpServerTest, ToolResultGoesBackThroughTheTemplate) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions", R"({
+    "tools":[{"type":"function","function":{"name":"get_weather"}}],
+    "messages":[{"role":"user","content":"weather in Paris?"},
+                {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",
+                  "function":{"name":"get_weather","arguments":"{\"city\":\"Paris\"}"}}]},
+                {"role":"tool","tool_call_id":"call_1","content":"sunny, 21 C"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "It is sunny in Paris.");
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_THAT(engine_.submitted()[0].text(), HasSubstr("tool: sunny, 21 C"));
+  EXPECT_THAT(engine_.submitted()[0].text(), HasSubstr("<tool_call>get_weather {\"city\":\"Paris\"}"));
+}
+
+TEST_F(HttpServerTest, ToolChoiceRequiredAndNamedForceTheCall) {
+  StartServer();
+  for (const std::string choice : {R"("required")", R"({"type":"function","function":{"name":"get_weather"}})"}) {
+    RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                         absl::StrCat(R"({"tools":[{"type":"function","function":{"name":"get_weather"}}],
+                                         "tool_choice":)", choice,
+                                      R"(,"messages":[{"role":"user","content":"hello"}]})"));
+    ASSERT_EQ(r.status, 200) << r.body;
+    json j = json::parse(r.body);
+    const json& calls = j["choices"][0]["message"]["tool_calls"];
+    ASSERT_EQ(calls.size(), 1u) << r.body;
+    EXPECT_EQ(calls[0]["function"]["name"], "get_weather");
+    EXPECT_EQ(calls[0]["function"]["arguments"], R"({"city": "Paris"})");
+    EXPECT_TRUE(j["choices"][0]["message"]["content"].is_null());
+    // vLLM's convention: "tool_calls" for required, "stop" for a named choice.
+    EXPECT_EQ(j["choices"][0]["finish_reason"], choice[0] == '"' ? "tool_calls" : "stop");
+  }
+}
+
+TEST_F(HttpServerTest, ReasoningIsSplitIntoBothFieldNames) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"messages":[{"role":"user","content":"think: 2+2?"}]})");
+  ASSERT_EQ(r.status, 200);
+  json m = json::parse(r.body)["choices"][0]["message"];
+  EXPECT_EQ(m["content"], "Four.");
+  EXPECT_EQ(m["reasoning_content"], "Two and two.");
+  EXPECT_EQ(m["reasoning"], "Two and two.");
+  RawResponse s = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"stream":true,"messages":[{"role":"user","content":"think: 2+2?"}]})");
+  std::string reasoning, reasoning2, content;
+  for (const std::string& e : Events(s.body)) {
+    if (e == "[DONE]") break;
+    const json d = json::parse(e)["choices"][0]["delta"];
+    if (d.contains("reasoning_content")) reasoning += d["reasoning_content"].get<std::string>();
+    if (d.contains("reasoning")) reasoning2 += d["reasoning"].get<std::string>();
+    if (d.contains("content")) content += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(reasoning, "Two and two.");
+  EXPECT_EQ(reasoning2, "Two and two.");
+  EXPECT_EQ(content, "Four.");
+}
+
+TEST_F(HttpServerTest, CompletionsFanOutPromptsAndChoicesWithSeeds) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/completions",
+                       R"({"prompt":["a","b"],"n":2,"seed":7,"max_tokens":3,"logprobs":2,"echo":false})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json j = json::parse(r.body);
+  EXPECT_EQ(j["object"], "text_completion");
+  ASSERT_EQ(j["choices"].size(), 4u);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(j["choices"][i]["index"], i);
+    EXPECT_EQ(j["choices"][i]["text"], "Hello fro");  // 3 tokens of 3 bytes: "Hel" "lo " "fro"
+    EXPECT_EQ(j["choices"][i]["finish_reason"], "length");
+    const json& lp = j["choices"][i]["logprobs"];
+    ASSERT_EQ(lp["tokens"].size(), 3u);
+    ASSERT_EQ(lp["top_logprobs"].size(), 3u);
+    EXPECT_EQ(lp["top_logprobs"][0].size(), 2u);
+    EXPECT_EQ(lp["text_offset"], json({0, 3, 6}));
+    EXPECT_FLOAT_EQ(lp["token_logprobs"][0].get<float>(), -0.25f);
+  }
+  std::vector<uint64_t> seeds;
+  for (const auto& g : engine_.submitted()) seeds.push_back(g.sampling_params().seed());
+  std::sort(seeds.begin(), seeds.end());
+  EXPECT_EQ(seeds, (std::vector<uint64_t>{7, 7, 8, 8}));
+  EXPECT_EQ(j["usage"]["completion_tokens"], 12);
+}
+
+TEST_F(HttpServerTest, CompletionsEchoAndTokenIdPrompts) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/completions", R"({"prompt":"Say: ","echo":true,"max_tokens":2})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  EXPECT_EQ(json::parse(r.body)["choices"][0]["text"], "Say: Hello ");
+  RawResponse ids = Call(port(), "POST", "/v1/completions", R"({"prompt":[[1,2,3],[4]],"max_tokens":1})");
+  ASSERT_EQ(ids.status, 200) << ids.body;
+  EXPECT_EQ(json::parse(ids.body)["choices"].size(), 2u);
+  auto sub = engine_.submitted();
+  ASSERT_EQ(sub.size(), 3u);
+  EXPECT_EQ(sub[1].tokenized().input_ids_size() + sub[2].tokenized().input_ids_size(), 4);
+}
+
+TEST_F(HttpServerTest, ChatLogprobsCarryTokenBytesAndAlternatives) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"logprobs":true,"top_logprobs":3,"max_tokens":2,"messages":[{"role":"user","content":"x"}]})");
+  ASSERT_EQ(r.status, 200) << r.body;
+  json lp = json::parse(r.body)["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(lp.size(), 2u);
+  EXPECT_EQ(lp[0]["top_logprobs"].size(), 3u);
+  EXPECT_FLOAT_EQ(lp[1]["logprob"].get<float>(), -0.5f);
+  EXPECT_TRUE(lp[0]["bytes"].is_array());
+}
+
+TEST_F(HttpServerTest, ClientMistakesAre400NamingTheField) {
+  StartServer();
+  struct Case {
+    std::string body;
+    std::string param;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"{not json", ""},
+           {"[1,2]", ""},
+           {R"({"messages":"hi"})", "messages"},
+           {R"({"messages":[{"role":"robot","content":"x"}]})", "messages[0].role"},
+           {R"({"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]})",
+            "messages[0].content[0].type"},
+           {R"({"messages":[{"role":"user","content":"x"}],"temperature":"hot"})", "temperature"},
+           {R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":21,"logprobs":true})", "top_logprobs"},
+           {R"({"messages":[{"role":"user","content":"x"}],"frobnicate":1})", "frobnicate"},
+           {R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
+            "response_format"},
+           {R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})", "tool_choice"},
+           {R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"abc":1}})", "logit_bias.abc"},
+           {R"({"messages":[{"role":"user","content":"x"}],"n":0})", "n"},
+       }) {
+    RawResponse r = Call(port(), "POST", "/v1/chat/completions", c.body);
+    EXPECT_EQ(r.status, 400) << c.body << " -> " << r.body;
+    json e = json::parse(r.body, nullptr, false);
+    ASSERT_TRUE(e.contains("error")) << r.body;
+    EXPECT_EQ(e["error"]["type"], "invalid_request_error");
+    EXPECT_FALSE(e["error"]["message"].get<std::string>().empty());
+    if (c.param.empty()) {
+      EXPECT_TRUE(e["error"]["param"].is_null()) << r.body;
+    } else {
+      EXPECT_EQ(e["error"]["param"], c.param) << r.body;
+    }
+  }
+  // Context overflow names its code.
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions", R"({"messages":[{"role":"user","content":"too long"}]})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_EQ(json::parse(r.body)["error"]["code"], "context_length_exceeded");
+  EXPECT_EQ(engine_.live(), 0);
+}
+
+TEST_F(HttpServerTest, StatusCodesForModelAuthSizeQueueAndReadiness) {
+  const std::string token_file = ::testing::TempDir() + "/http_token";
+  std::ofstream(token_file) << "s3cret\n";
+  HttpServerOptions o;
+  o.auth_token_file = token_file;
+  o.max_body_bytes = 1 << 20;
+  StartServer(o);
+  const std::string body = R"({"model":"nope","messages":[{"role":"user","content":"x"}]})";
+  EXPECT_EQ(Call(port(), "POST", "/v1/chat/completions", body).status, 401);
+  EXPECT_EQ(Call(port(), "POST", "/v1/chat/completions", body, "Authorization: Bearer wrong\r\n").status, 401);
+  const std::string auth = "Authorization: Bearer s3cret\r\n";
+  RawResponse nf = Call(port(), "POST", "/v1/chat/completions", body, auth);
+  EXPECT_EQ(nf.status, 404);
+  EXPECT_EQ(json::parse(nf.body)["error"]["code"], "model_not_found");
+  EXPECT_EQ(Call(port(), "GET", "/v1/models/nope", "", auth).status, 404);
+  RawResponse models = Call(port(), "GET", "/v1/models", "", auth);
+  ASSERT_EQ(models.status, 200);
+  EXPECT_EQ(json::parse(models.body)["data"][0]["id"], "scripted");
+  EXPECT_EQ(json::parse(models.body)["data"][0]["max_model_len"], 256);
+  // 10 MB body.
+  RawResponse big = Call(port(), "POST", "/v1/chat/completions", std::string(10 << 20, ' '), auth);
+  EXPECT_EQ(big.status, 413);
+  // Queue full: 429 with Retry-After.
+  engine_.max_live = 0;
+  RawResponse full = Call(port(), "POST", "/v1/chat/completions",
+                          R"({"messages":[{"role":"user","content":"x"}]})", auth);
+  EXPECT_EQ(full.status, 429);
+  EXPECT_EQ(full.headers["retry-after"], "1");
+  EXPECT_EQ(json::parse(full.body)["error"]["type"], "rate_limit_error");
+  engine_.max_live = 1000;
+  // Not ready: 503 + Retry-After, /health too (open without the token).
+  EXPECT_EQ(Call(port(), "GET", "/health").status, 200);
+  engine_.ready_flag = false;
+  RawResponse down = Call(port(), "POST", "/v1/chat/completions",
+                          R"({"messages":[{"role":"user","content":"x"}]})", auth);
+  EXPECT_EQ(down.status, 503);
+  EXPECT_EQ(down.headers["retry-after"], "5");
+  RawResponse health = Call(port(), "GET", "/health");
+  EXPECT_EQ(health.status, 503);
+  EXPECT_EQ(json::parse(health.body)["error"]["type"], "service_unavailable_error");
+  engine_.ready_flag = true;
+  RawResponse emb = Call(port(), "POST", "/v1/embeddings", R"({"input":"x"})", auth);
+  EXPECT_EQ(emb.status, 501);
+  EXPECT_EQ(emb.headers["x-should-retry"], "false");
+  EXPECT_EQ(Call(port(), "GET", "/v1/nothing-here", "", auth).status, 404);
+  // The HTTP series count by endpoint and status.
+  RawResponse metrics = Call(port(), "GET", "/metrics");
+  EXPECT_THAT(metrics.body, HasSubstr("exl3serve:http_requests_total{endpoint=\"/v1/chat/completions\",model_name=\"scripted\",status=\"401\"} 2"));
+  EXPECT_THAT(metrics.body, HasSubstr("status=\"429\"} 1"));
+}
+
+TEST_F(HttpServerTest, TokenizeAndDetokenizeNeedATokenizer) {
+  StartServer();
+  RawResponse r = Call(port(), "POST", "/tokenize", R"({"prompt":"hello"})");
+  EXPECT_EQ(r.status, 400);
+  EXPECT_THAT(r.body, HasSubstr("tokenizer"));
+  EXPECT_EQ(Call(port(), "POST", "/detokenize", R"({"tokens":"x"})").status, 400);
+}
+
+// A client that goes away mid-stream or mid-wait aborts its engine request.
+TEST_F(HttpServerTest, DisconnectAbortsStreamedAndNotStreamedRequests) {
+  StartServer();
+  for (bool stream : {true, false}) {
+    const int fd = Connect(port());
+    SendAll(fd, RequestText("POST", "/v1/chat/completions",
+                            absl::StrCat(R"({"stream":)", stream ? "true" : "false",
+                                         R"(,"messages":[{"role":"user","content":"slow"}]})")));
+    if (stream) {  // read until the first content arrives: the request is running
+      std::string seen;
+      char buf[4096];
+      while (seen.find("tick") == std::string::npos) {
+        const ssize_t n = recv(fd, buf, sizeof buf, 0);
+        ASSERT_GT(n, 0);
+        seen.append(buf, static_cast<size_t>(n));
+      }
+    } else {
+      const absl::Time until = absl::Now() + absl::Seconds(10);
+      while (engine_.live() == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));
+      ASSERT_EQ(engine_.live(), 1);
+    }
+    close(fd);
+    EXPECT_TRUE(engine_.WaitIdle(absl::Seconds(10))) << "stream=" << stream;
+  }
+  EXPECT_EQ(engine_.aborted().size(), 2u);
+  RawResponse metrics = Call(port(), "GET", "/metrics");
+  EXPECT_THAT(metrics.body, HasSubstr("exl3serve:http_client_disconnects_total{endpoint=\"/v1/chat/completions\",model_name=\"scripted\"} 2"));
+}
+
+TEST_F(HttpServerTest, ShutdownDrainsThenAbortsAndRefusesNewRequests) {
+  StartServer();
+  const int fd = Connect(port());
+  SendAll(fd, RequestText("POST", "/v1/chat/completions",
+                          R"({"stream":true,"messages":[{"role":"user","content":"slow"}]})"));
+  std::string seen;
+  char buf[4096];
+  while (seen.find("tick") == std::string::npos) {
+    const ssize_t n = recv(fd, buf, sizeof buf, 0);
+    ASSERT_GT(n, 0);
+    seen.append(buf, static_cast<size_t>(n));
+  }
+  server_->Shutdown(absl::Milliseconds(100));
+  ssize_t n;
+  while ((n = recv(fd, buf, sizeof buf, 0)) > 0) seen.append(buf, static_cast<size_t>(n));
+  close(fd);
+  RawResponse r = Parse(seen);
+  std::vector<std::string> events = Events(r.body);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_THAT(events[events.size() - 2], HasSubstr("\"error\""));
+  EXPECT_TRUE(engine_.WaitIdle(absl::Seconds(10)));
+}
+
+}  // namespace
+}  // namespace exl3serve::coordinator::http
