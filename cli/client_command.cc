@@ -245,6 +245,9 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
         prepare(context);
         EXL3_RETURN_IF_ERROR(FromGrpc(stub->GetServerInfo(&context, {}, &server), "GetServerInfo"));
       }
+      // The template's text is for programs (GetModelInfo.chat_template); the
+      // summary says only whether there is one.
+      model.clear_chat_template();
       Print(absl::StrCat("{\"model\": ", ToJson(model), ", \"server\": ", ToJson(server), "}\n"));
       return absl::OkStatus();
     }

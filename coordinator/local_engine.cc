@@ -297,6 +297,7 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
   }
   p.ignore_eos = sp.ignore_eos();
   p.text_output = tokenizer_ != nullptr;
+  p.skip_special_tokens = !request.has_skip_special_tokens() || request.skip_special_tokens();
   for (const std::string& stop : sp.stop()) {
     if (stop.empty()) return Invalid("sampling_params.stop", "contains an empty string");
     p.stop_strings.push_back(stop);
@@ -519,7 +520,7 @@ void LocalEngine::Loop() {
       live.p = std::move(p);
       if (added.ok()) {
         if (live.p.text_output) {
-          live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = true});
+          live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = live.p.skip_special_tokens});
         }
         if (!live.p.stop_strings.empty()) live.stops.emplace(live.p.stop_strings);
       }

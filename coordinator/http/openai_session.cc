@@ -531,6 +531,12 @@ std::variant<std::unique_ptr<CompletionSession>, ApiError> CompletionSession::St
   for (State::Choice& c : s.choices) {
     v1::GenerateRequest g = prompts[c.prompt_index];
     g.set_request_id(c.request_id);
+    // Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens:
+    // the parser must see them in the text.
+    const bool marker_is_special = request.chat && request.tool_choice != ToolChoice::kNone &&
+                                   (options.tool_format == ToolCallFormat::kMistral ||
+                                    options.tool_format == ToolCallFormat::kLlama3Json);
+    g.set_skip_special_tokens(request.skip_special_tokens && !marker_is_special);
     const int j = c.index % request.n;
     if (j > 0 && g.sampling_params().has_seed()) {
       g.mutable_sampling_params()->set_seed(g.sampling_params().seed() + j);

@@ -64,9 +64,9 @@ struct ToolCallDelta {
                                     // empty on the first delta
 };
 
-// What one Feed() or Finish() produced. Content and deltas from one call are
-// not ordered relative to each other; deltas are in order, and consecutive
-// pieces of the same call are coalesced into one delta.
+// What one Feed() or Finish() produced. The content and the deltas of one
+// result carry no order relative to each other; the deltas are in order, and
+// consecutive pieces of the same tool call are coalesced into one delta.
 struct ParsedOutput {
   std::string content;  // plain text that can be sent to the client now
   std::vector<ToolCallDelta> tool_calls;

@@ -68,6 +68,7 @@ model_dir: $WORK/model
 world_size: 2
 listen_address: 127.0.0.1:0
 api_address: 127.0.0.1:0
+http_address: 127.0.0.1:0
 shutdown_grace_ms: 2000
 comm: {backend: shm}
 kv: {num_pages: 400, page_size_tokens: 16}
@@ -126,6 +127,13 @@ start_coordinator restart 60000
 start_worker restart 0
 start_worker restart 1
 wait_ready restart
+# The OpenAI HTTP API of the coordinator (http_address) answers on the same engine.
+HTTP=$(sed -n 's/^http: listening on //p' "$WORK/restart-coordinator.log")
+[ -n "$HTTP" ] || fail "no 'http: listening on' line from the coordinator"
+[ "$(curl -s -o /dev/null -w '%{http_code}' "http://$HTTP/health")" = 200 ] || fail "HTTP /health"
+curl -s "http://$HTTP/v1/completions" -d '{"prompt":[1,2,3],"max_tokens":4,"temperature":0,"return_token_ids":true}' |
+  python3 -c 'import json,sys; j=json.load(sys.stdin); assert len(j["choices"][0]["token_ids"])==4, j' ||
+  fail "HTTP /v1/completions on the coordinator"
 for _ in $(seq 100); do  # printed by the status loop (every 250 ms) once ready
   grep -q "^serving $WORK/model on $ADDR (world_size=2)" "$WORK/restart-coordinator.log" && break
   sleep 0.1

@@ -131,6 +131,7 @@ text = open(cluster_path).read()
 c = yaml.safe_load(text)
 port = lambda a: int(a.rsplit(':', 1)[1])
 api, ranks, boot = port(c['api_address']), port(c['listen_address']), port(c['comm']['bootstrap_address'])
+http = port(c['http_address'])
 ws, to = c['world_size'], c.get('timeouts', {})
 def die(m): print('FAIL:', m, file=sys.stderr); sys.exit(1)
 def check_args(args, where):
@@ -164,6 +165,7 @@ for f in rendered:
         if o['kind'] == 'Service':
             for p in o['spec']['ports']:
                 if p['name'] == 'api' and p['port'] != api: die(f'{o["metadata"]["name"]}: api port')
+                if p['name'] == 'http' and p['port'] != http: die(f'{o["metadata"]["name"]}: http port')
                 if p['name'] == 'ranks' and p['port'] != ranks: die(f'{o["metadata"]["name"]}: ranks port')
                 if p['name'] == 'ucx-bootstrap' and p['port'] != boot: die('bootstrap port')
     coordinators = 0
@@ -187,7 +189,7 @@ for f in rendered:
                 grace = spec.get('terminationGracePeriodSeconds', 30) * 1000
                 if grace <= c.get('shutdown_grace_ms', 5000): die('terminationGracePeriodSeconds <= shutdown_grace_ms')
                 ports = {p['containerPort'] for p in ctr['ports']}
-                if not {api, ranks} <= ports: die('coordinator container ports')
+                if not {api, ranks, http} <= ports: die('coordinator container ports')
                 if not any(m.get('mountPath') == '/dev/shm' for c2 in spec['containers'] for m in c2.get('volumeMounts', [])): pass
             mounts = {m['name']: m for m in ctr.get('volumeMounts', [])}
             if 'coordinator' not in args[:2]:
@@ -205,6 +207,7 @@ vols = comp['services']['coordinator']['volumes']
 if '../cluster/cluster.yaml:/etc/exl3serve/cluster.yaml:ro' not in vols: die('compose does not mount cluster.yaml')
 for n, s in comp['services'].items(): check_args(s['command'], f'compose:{n}')
 if f'{api}:{api}' not in comp['services']['rank-0']['ports']: die('compose api port')
+if f'{http}:{http}' not in comp['services']['rank-0']['ports']: die('compose http port')
 for unit in ('exl3serve-coordinator.service', 'exl3serve-worker@.service'):
     u = open(f'{deploy}/systemd/{unit}').read().replace('\\\n', ' ')
     exec_start = [l for l in u.splitlines() if l.startswith('ExecStart=')][0]

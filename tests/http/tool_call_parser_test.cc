@@ -395,7 +395,8 @@ TEST(MistralToolCallTest, ParsesAnArrayOfCallsWithContentBefore) {
 TEST(MistralToolCallTest, ParsesTheNameArgsFormRepeated) {
   const ParsedMessage m =
       ParseAllWays(ToolCallFormat::kMistral,
-                   "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS] get_time[ARGS] {\"tz\": \"[ARGS]\"}");
+                   "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\"}"
+                   "[TOOL_CALLS] get_time[ARGS] {\"tz\": \"[ARGS]\"}");
   ExpectMessage(m, "", {{"get_weather", "{\"city\": \"Paris\"}"}, {"get_time", "{\"tz\": \"[ARGS]\"}"}});
 }
 
@@ -410,8 +411,9 @@ TEST(MistralToolCallTest, HoldsBackPartialMarkers) {
 }
 
 TEST(MistralToolCallTest, ReturnsAnEmptyListAndBadCallsAsContent) {
-  for (const std::string text : {"[TOOL_CALLS][]", "[TOOL_CALLS] [ ]","[TOOL_CALLS] I will call a tool", "[TOOL_CALLS][{\"arguments\": {}}]",
-                                 "[TOOL_CALLS][1]", "[TOOL_CALLS]", "[TOOL_CALLS]get_weather"}) {
+  for (const std::string text : {"[TOOL_CALLS][]", "[TOOL_CALLS] [ ]", "[TOOL_CALLS] I will call a tool",
+                                 "[TOOL_CALLS][{\"arguments\": {}}]", "[TOOL_CALLS][1]", "[TOOL_CALLS]",
+                                 "[TOOL_CALLS]get_weather"}) {
     SCOPED_TRACE(text);
     ExpectMessage(ParseAllWays(ToolCallFormat::kMistral, text), text, {});
   }
