@@ -4,7 +4,8 @@
 // with ignore_eos and max_tokens G, back to back, R requests in all; prints
 // one JSON line: requests ok / failed, output tokens/s, TTFT and inter-token
 // latency p50/p99 (the gap between content chunks, divided among their
-// tokens, as bench-serve does).
+// tokens, as bench-serve does; chunks are counted by their token_ids, so a
+// model without a tokenizer, whose text is empty, is measured too).
 //   node http_load.cjs BASE_URL CONCURRENCY PROMPT_LEN GEN_LEN REQUESTS [VOCAB]
 'use strict';
 const [base, conc, plen, glen, reqs, vocabArg] = process.argv.slice(2);
@@ -20,7 +21,7 @@ async function one() {
   const res = await fetch(base + '/completions', {
     method: 'POST', headers: { 'content-type': 'application/json' },
     body: JSON.stringify({ prompt, max_tokens: G, ignore_eos: true, temperature: 0, stream: true,
-                           stream_options: { include_usage: true } }),
+                           return_token_ids: true, stream_options: { include_usage: true } }),
   });
   if (res.status !== 200) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
   const decoder = new TextDecoder();
@@ -38,9 +39,10 @@ async function one() {
       if (j.error) throw new Error(JSON.stringify(j.error));
       if (j.usage) { n = j.usage.completion_tokens; continue; }
       const now = performance.now();
-      const text = j.choices[0].text;
-      if (text === '' && j.choices[0].finish_reason === null) continue;
-      if (last === null) ttft.push(now - t0); else itl.push(now - last);
+      const k = (j.choices[0].token_ids || []).length;  // tokens in this chunk
+      if (k === 0) continue;
+      if (last === null) ttft.push(now - t0);
+      else for (let i = 0; i < k; i++) itl.push((now - last) / k);
       last = now;
     }
   }

@@ -39,13 +39,14 @@ VOCAB=151936
 echo "| API | streams | requests ok | output tok/s | TTFT p50 / p99 | ITL p50 / p99 | HTTP / gRPC tok/s |"
 echo "|---|---|---|---|---|---|---|"
 for c in 1 64; do
-  out=$("$BIN" bench-serve --addr "$ADDR" --concurrency "$c" --prompt-len 64 --gen-len 64 --requests $((c * 2)))
+  n=$((c == 1 ? 16 : c * 2))
+  out=$("$BIN" bench-serve --addr "$ADDR" --concurrency "$c" --prompt-len 64 --gen-len 64 --requests "$n")
   g_tps=$(sed -n 's/^  output throughput *\([0-9.]*\).*/\1/p' <<<"$out")
   g_ok=$(sed -n 's/^  requests ok *\([0-9]* \/ [0-9]*\).*/\1/p' <<<"$out")
   g_ttft=$(sed -n 's/^  TTFT p50 \/ p99 *\(.*\) ms/\1/p' <<<"$out")
   g_itl=$(sed -n 's/^  inter-token latency p50\/p99 *\(.*\) ms/\1/p' <<<"$out")
   echo "| gRPC | $c | $g_ok | $g_tps | $g_ttft ms | $g_itl ms | (ceiling) |"
-  j=$(node "$SRC/tests/bench/http_load.cjs" "http://$HTTP/v1" "$c" 64 64 $((c * 2)) "$VOCAB")
+  j=$(node "$SRC/tests/bench/http_load.cjs" "http://$HTTP/v1" "$c" 64 64 "$n" "$VOCAB")
   read -r ok failed tps t50 t99 i50 i99 < <(python3 -c '
 import json, sys
 j = json.loads(sys.argv[1])
