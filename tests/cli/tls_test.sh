@@ -54,7 +54,7 @@ echo "tls: a non-loopback host without credentials is refused at start"
 
 "$BIN" --log-level warning serve --model "$WORK/model" --host 127.0.0.1 --port 0 \
     --tls-cert server.pem --tls-key server.key --tls-client-ca ca.pem --auth-token-file token \
-    --shutdown-grace-ms 2000 >"$WORK/server.log" 2>&1 &
+    --http-port 0 --shutdown-grace-ms 2000 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -96,6 +96,24 @@ fi
 grep -q UNAUTHENTICATED "$WORK/info.err" || { cat "$WORK/info.err"; fail "--info without a token"; }
 "$BIN" client --addr "$ADDR" "${GOOD[@]}" --token-file token --info >/dev/null || fail "--info with the token"
 echo "tls: GetModelInfo/GetServerInfo need the token too"
+
+# The OpenAI HTTP API has the same TLS, client CA and token.
+HTTP=$(sed -n 's/^http: listening on //p' "$WORK/server.log")
+[ -n "$HTTP" ] || fail "no 'http: listening on' line"
+BODY='{"prompt":[1,42,7,311],"max_tokens":8,"ignore_eos":true,"return_token_ids":true}'
+CURL_GOOD=(--cacert ca.pem --cert client.pem --key client.key)
+code=$(curl -s -o "$WORK/https.json" -w '%{http_code}' "${CURL_GOOD[@]}" -H "Authorization: Bearer $(cat token)" \
+  -d "$BODY" "https://$HTTP/v1/completions")
+[ "$code" = 200 ] || fail "HTTPS with the client certificate and token: $code $(cat "$WORK/https.json")"
+python3 -c 'import json,sys; assert len(json.load(open(sys.argv[1]))["choices"][0]["token_ids"]) == 8' "$WORK/https.json" ||
+  fail "HTTPS completion: $(cat "$WORK/https.json")"
+code=$(curl -s -o "$WORK/https.json" -w '%{http_code}' "${CURL_GOOD[@]}" -d "$BODY" "https://$HTTP/v1/completions")
+[ "$code" = 401 ] || fail "HTTPS without the token: $code"
+curl -s -o /dev/null --cacert ca.pem -d "$BODY" "https://$HTTP/v1/completions" &&
+  fail "HTTPS without a client certificate was accepted"
+curl -s -o /dev/null -d "$BODY" "http://$HTTP/v1/completions" && [ "$(curl -s -o /dev/null -w '%{http_code}' -d "$BODY" "http://$HTTP/v1/completions")" != 000 ] &&
+  fail "plaintext HTTP was answered"
+echo "tls: the HTTP API needs the client certificate and the token too"
 
 stop_server || fail "serve exited non-zero"
 echo "PASS"

@@ -470,6 +470,27 @@ TEST_F(HttpServerTest, TokenizeAndDetokenizeNeedATokenizer) {
   EXPECT_EQ(Call(port(), "POST", "/detokenize", R"({"tokens":"x"})").status, 400);
 }
 
+// A long prefill: the stream sends SSE comments, which clients ignore, until
+// the first token.
+TEST_F(HttpServerTest, KeepAliveCommentsWhileNothingIsGenerated) {
+  HttpServerOptions o;
+  o.keepalive_interval = absl::Milliseconds(20);
+  StartServer(o);
+  RawResponse r = Call(port(), "POST", "/v1/chat/completions",
+                       R"({"stream":true,"messages":[{"role":"user","content":"wait, then hello"}]})");
+  ASSERT_EQ(r.status, 200);
+  const size_t comment = r.body.find(": keep-alive\n\n");
+  ASSERT_NE(comment, std::string::npos) << r.body;
+  EXPECT_LT(comment, r.body.find("Hel")) << "the comments come while the prompt is prefilled";
+  std::string content;
+  for (const std::string& e : Events(r.body)) {  // comments are skipped, the rest parses
+    if (e == "[DONE]") break;
+    const json d = json::parse(e)["choices"][0]["delta"];
+    if (d.contains("content")) content += d["content"].get<std::string>();
+  }
+  EXPECT_EQ(content, "Hello from the script.");
+}
+
 // A client that goes away mid-stream or mid-wait aborts its engine request.
 TEST_F(HttpServerTest, DisconnectAbortsStreamedAndNotStreamedRequests) {
   StartServer();

@@ -12,6 +12,7 @@
 //   contains "weather" and "Tools:"   -> a Hermes <tool_call> for get_weather
 //   contains "think"                  -> "<think>Two and two.</think>\n\nFour."
 //   contains "slow"                   -> "tick " forever (until aborted or max_tokens)
+//   contains "wait"                   -> as above after 100 silent steps (a long prefill)
 //   otherwise                         -> "Hello from the script."
 // Each step emits `chunk_bytes` bytes as one token (ids 1000, 1001, ...).
 #ifndef EXL3SERVE_TESTS_HTTP_SCRIPTED_ENGINE_H_
@@ -80,6 +81,7 @@ class ScriptedEngine final : public coordinator::Engine {
     l.callback = std::move(cb);
     l.script = absl::StrContains(prompt, "slow") ? "" : ScriptFor(prompt);
     l.endless = absl::StrContains(prompt, "slow");
+    l.silent_steps = absl::StrContains(prompt, "wait") ? 100 : 0;
     l.max_tokens = request.sampling_params().max_tokens() > 0 ? request.sampling_params().max_tokens() : 1 << 30;
     l.logprobs = request.sampling_params().logprobs();
     l.top = request.sampling_params().top_logprobs();
@@ -176,6 +178,7 @@ class ScriptedEngine final : public coordinator::Engine {
     coordinator::ResponseCallback callback;
     std::string script;
     bool endless = false;
+    int silent_steps = 0;
     size_t pos = 0;
     int emitted = 0;
     int max_tokens = 0;
@@ -212,6 +215,11 @@ class ScriptedEngine final : public coordinator::Engine {
             c->set_seed(l.seed);
           };
           bool erase = false;
+          if (!l.aborted && l.silent_steps > 0) {
+            --l.silent_steps;
+            ++it;
+            continue;
+          }
           if (l.aborted) {
             complete(v1::FINISH_REASON_ABORT);
             erase = true;
