@@ -30,6 +30,17 @@ namespace {
 // The most output one render may produce; a template cannot loop forever
 // (loops run over finite values) but `'x' * 10**12` could ask for anything.
 constexpr size_t kMaxOutputBytes = size_t{256} << 20;
+// The most statements and expressions one render may evaluate: nested loops
+// over range() (each capped at 100000 items) could otherwise run for hours.
+// Real templates take a few thousand steps per message.
+constexpr int64_t kMaxRenderSteps = 5'000'000;
+
+absl::Status StepBudgetError(int line) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "chat template line ", line, ": rendering took more than ", kMaxRenderSteps,
+      " steps (the render step budget, kMaxRenderSteps); a template that loops this much is not a "
+      "chat template"));
+}
 
 absl::Status RenderError(int line, std::string_view what) {
   return absl::InvalidArgumentError(
@@ -130,6 +141,7 @@ class Renderer {
   }
 
   absl::StatusOr<Flow> Exec(const Stmt& s, Scope* scope, std::string* out) {
+    if (++steps_ > kMaxRenderSteps) return StepBudgetError(s.line);
     switch (s.kind) {
       case Stmt::Kind::kText:
         EXL3_RETURN_IF_ERROR(Append(s.text, s.line, out));
@@ -308,6 +320,7 @@ class Renderer {
   }
 
   absl::StatusOr<Value> Eval(const Expr& e, Scope* scope) {
+    if (++steps_ > kMaxRenderSteps) return StepBudgetError(e.line);
     switch (e.kind) {
       case Expr::Kind::kLiteral:
         return e.literal;
@@ -1201,6 +1214,7 @@ class Renderer {
   }
 
   int macro_depth_ = 0;
+  int64_t steps_ = 0;  // statements + expressions evaluated (kMaxRenderSteps)
 };
 
 void AddGlobals(Scope* globals) {

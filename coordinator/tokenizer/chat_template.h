@@ -52,7 +52,9 @@ class ChatTemplate {
   // template's raise_exception("...") (the message is the template's), and
   // for errors Python would raise while rendering (undefined attribute of an
   // undefined value, 'str' + None, ...), naming the template line;
-  // ResourceExhausted when the output would pass 256 MiB.
+  // ResourceExhausted when the output would pass 256 MiB, or when rendering
+  // takes more than 5 million steps (statements + expressions evaluated:
+  // the render step budget, kMaxRenderSteps), naming the limit.
   absl::StatusOr<std::string> Render(const nlohmann::ordered_json& context) const;
 
  private:

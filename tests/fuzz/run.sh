@@ -1,9 +1,8 @@
 #!/bin/bash
 # tests/fuzz/run.sh [TARGET] [SECONDS] — build a fuzzer with clang (libFuzzer
 # + ASan + UBSan) straight from the sources and run it. TARGET:
-# safetensors_header (default) or openai_request (the HTTP API's request
-# bodies; needs the generated protobuf code of a build, $EXL3_BUILD_DIR or
-# ./build).
+# safetensors_header (default, below), or openai_request, chat_template,
+# tokenizer, model_config (tests/fuzz/run_target.sh).
 #
 # Build and corpus live in $EXL3_BUILD_DIR/fuzz (default /tmp/exl3serve-fuzz);
 # the corpus grows across runs. Exits non-zero when the fuzzer finds a crash,
@@ -31,11 +30,8 @@ if ! command -v "$cxx" >/dev/null; then
   exit 2
 fi
 
-if [[ $target == openai_request ]]; then
-  exec "$src/tests/fuzz/run_openai_request.sh" "$seconds"
-elif [[ $target != safetensors_header ]]; then
-  echo "run.sh: unknown target $target (safetensors_header, openai_request)" >&2
-  exit 2
+if [[ $target != safetensors_header ]]; then
+  exec bash "$src/tests/fuzz/run_target.sh" "$target" "$seconds"
 fi
 
 mkdir -p "$out/corpus" "$out/seeds" "$out/artifacts"

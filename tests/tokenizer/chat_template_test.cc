@@ -221,6 +221,19 @@ TEST(ChatTemplateTest, HugeRepetitionIsResourceExhaustedNotACrash) {
   EXPECT_EQ(out.status().code(), absl::StatusCode::kResourceExhausted);
 }
 
+// Nested loops are bounded by the render step budget, not by patience.
+TEST(ChatTemplateTest, NestedLoopsHitTheStepBudgetWithAnErrorNamingIt) {
+  absl::StatusOr<std::string> r = RenderText(
+      "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), ::testing::HasSubstr("kMaxRenderSteps"));
+  // A few thousand iterations are nowhere near it.
+  absl::StatusOr<std::string> ok = RenderText("{% for i in range(3000) %}{{ i % 10 }}{% endfor %}");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->size(), 3000u);
+}
+
 TEST(ChatTemplateTest, IntegerOverflowIsAnErrorNotUndefinedBehaviour) {
   EXPECT_EQ(RenderText("{{ 9223372036854775807 + 1 }}").status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(RenderText("{{ 3 ** 200 }}").status().code(), absl::StatusCode::kInvalidArgument);
