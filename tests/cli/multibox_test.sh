@@ -143,6 +143,11 @@ for spec in "$NSC:lead" "$NSA:a" "$NSB:b"; do
 done
 C() { ip netns exec "$NSC" "$BIN" client --addr 127.0.0.1:50051 "$@"; }
 C --health --wait-ready-ms 120000 >/dev/null || fail "not ready in 120 s"
+# The UCX bootstrap across the boxes is authenticated with the rank token
+# (strangers on it: tests/comm/tcp_bootstrap_test.cc).
+grep -q "tcp bootstrap: rank 1 joined from $ADDR_B:[0-9]* (rank token verified)" "$WORK"/a.log ||
+  fail "rank 0 did not verify rank 1's token on the bootstrap: $(grep -i bootstrap "$WORK"/a.log | tail -5)"
+echo "the rank bootstrap verified rank 1's rank token"
 
 # What launch handed each rank: the channel's credentials, the box's NICs and
 # NCCL settings as flags, the rank's GPU and the NICs as environment.

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -220,6 +221,106 @@ TEST(TcpBootstrapTest, RankOfAnotherGroupIsTurnedAway) {
   root.reset();
   EXPECT_EQ(stranger->AllGather("x", Deadline(kGenerous)).status().code(),
             absl::StatusCode::kUnavailable);
+}
+
+// A raw TCP connection to rank 0 (a stranger on the network).
+int RawConnect(uint16_t port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = htons(port);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  return fd;
+}
+
+// With a rank token: strangers without it (an unauthenticated rank, a wrong
+// token, a slow loris that never finishes, garbage) are refused and the real
+// ranks still form the group.
+TEST(TcpBootstrapTest, WithARankTokenStrangersAreRefusedAndTheGroupForms) {
+  constexpr int kWorld = 3;
+  TcpBootstrapOptions root_options{.rank = 0, .world_size = kWorld, .port = 0};
+  root_options.auth_key = "the-cluster-token";
+  root_options.handshake_timeout = absl::Milliseconds(300);
+  std::unique_ptr<TcpBootstrap> root = MustCreate(root_options);
+  ASSERT_NE(root, nullptr);
+  const uint16_t port = root->port();
+  // Strangers connect before the real ranks.
+  const int loris = RawConnect(port);            // connects, never speaks
+  const int garbage = RawConnect(port);
+  ASSERT_EQ(send(garbage, "GET / HTTP/1.1\r\n\r\n", 18, MSG_NOSIGNAL), 18);
+  std::unique_ptr<TcpBootstrap> no_token = MustCreate({.rank = 1, .world_size = kWorld, .port = port});
+  absl::Status no_token_result, wrong_token_result;
+  std::thread no_token_thread([&] {
+    no_token_result = no_token->AllGather("x", Deadline(absl::Seconds(10))).status();
+  });
+  std::thread wrong_token_thread([&] {
+    TcpBootstrapOptions o{.rank = 2, .world_size = kWorld, .port = port};
+    o.auth_key = "a-guess";
+    auto boot = TcpBootstrap::Create(o, Deadline(kGenerous));
+    wrong_token_result = boot.ok() ? (*boot)->AllGather("x", Deadline(absl::Seconds(10))).status()
+                                   : boot.status();
+  });
+  // The real ranks.
+  std::vector<absl::StatusOr<std::vector<std::string>>> results(kWorld, absl::UnknownError("not run"));
+  std::vector<std::thread> ranks;
+  for (int r = 1; r < kWorld; ++r) {
+    ranks.emplace_back([&, r] {
+      TcpBootstrapOptions o{.rank = r, .world_size = kWorld, .port = port};
+      o.auth_key = "the-cluster-token";
+      auto boot = TcpBootstrap::Create(o, Deadline(kGenerous));
+      if (!boot.ok()) {
+        results[r] = boot.status();
+        return;
+      }
+      results[r] = (*boot)->AllGather(absl::StrCat("blob", r), Deadline(kGenerous));
+      if (results[r].ok()) results[r] = (*boot)->AllGather(absl::StrCat("again", r), Deadline(kGenerous));
+    });
+  }
+  results[0] = root->AllGather("blob0", Deadline(kGenerous));
+  auto second = root->AllGather("again0", Deadline(kGenerous));
+  for (auto& t : ranks) t.join();
+  no_token_thread.join();
+  wrong_token_thread.join();
+  ASSERT_TRUE(results[0].ok()) << results[0].status();
+  EXPECT_EQ(*results[0], (std::vector<std::string>{"blob0", "blob1", "blob2"}));
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(*second, (std::vector<std::string>{"again0", "again1", "again2"}));
+  for (int r = 1; r < kWorld; ++r) {
+    ASSERT_TRUE(results[r].ok()) << r << ": " << results[r].status();
+    EXPECT_EQ(*results[r], (std::vector<std::string>{"again0", "again1", "again2"}));
+  }
+  // The strangers got nothing: no challenge answered, or closed.
+  EXPECT_FALSE(no_token_result.ok());
+  EXPECT_FALSE(wrong_token_result.ok());
+  EXPECT_THAT(std::string(wrong_token_result.message()), HasSubstr("rank token"));
+  // The slow loris was closed by rank 0 (EOF after the challenge frame).
+  char buf[256];
+  ssize_t n;
+  size_t total = 0;
+  while ((n = recv(loris, buf, sizeof buf, 0)) > 0) total += static_cast<size_t>(n);
+  EXPECT_EQ(n, 0) << "the silent connection was closed";
+  EXPECT_EQ(total, 16u + 32u) << "it saw only the challenge";
+  close(loris);
+  close(garbage);
+}
+
+// A rank that proves the token to a rank 0 that has none is refused, and a
+// rank with a token facing a rank 0 without one fails naming the setting.
+TEST(TcpBootstrapTest, ATokenOnOneSideOnlyIsAClearError) {
+  std::unique_ptr<TcpBootstrap> root = MustCreate({.rank = 0, .world_size = 2, .port = 0});
+  ASSERT_NE(root, nullptr);
+  TcpBootstrapOptions o{.rank = 1, .world_size = 2, .port = root->port()};
+  o.auth_key = "token";
+  std::unique_ptr<TcpBootstrap> peer = MustCreate(o);
+  absl::Status peer_status;
+  std::thread t([&] { peer_status = peer->AllGather("x", Deadline(absl::Seconds(2))).status(); });
+  auto root_result = root->AllGather("r", Deadline(absl::Seconds(2)));
+  t.join();
+  EXPECT_EQ(root_result.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(root_result.status().message()), HasSubstr("rank 1"));
+  EXPECT_FALSE(peer_status.ok());
+  EXPECT_THAT(std::string(peer_status.message()), HasSubstr("--rank-token-file"));
 }
 
 TEST(TcpBootstrapTest, ConnectingToNobodyEndsAtTheDeadline) {

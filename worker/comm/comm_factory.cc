@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<TcpBootstrap>> JoinBootstrap(const CommSpec& spec
   bootstrap_options.world_size = world_size;
   bootstrap_options.host = spec.bootstrap_address.substr(0, colon);
   bootstrap_options.port = static_cast<uint16_t>(port);
+  bootstrap_options.auth_key = spec.bootstrap_key;
   return TcpBootstrap::Create(bootstrap_options, join_deadline);
 }
 

@@ -26,6 +26,11 @@ struct CommSpec {
   std::string bootstrap_address;
   // ucx: UCX transports (UCX_TLS syntax), e.g. "tcp"; empty = UCX's default.
   std::string ucx_tls;
+  // The cluster's rank token: ranks prove they know it on the bootstrap
+  // (TcpBootstrapOptions::auth_key) before any setup data is exchanged.
+  // Each worker fills it from its own --rank-token-file (it never travels in
+  // Setup); empty = an unauthenticated bootstrap (a trusted network).
+  std::string bootstrap_key;
 
   // --- GPU ranks (CreateGpuCommunicator; device buffers) -------------------
   // backend there: "auto", "cuda_p2p", "host_staged" or "nccl" (see

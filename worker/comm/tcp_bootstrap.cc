@@ -17,6 +17,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "common/logging.h"
+#include "common/status_macros.h"
+#include "openssl/crypto.h"
+#include "openssl/evp.h"
+#include "openssl/hmac.h"
+#include "openssl/rand.h"
 
 namespace exl3serve::worker::comm {
 namespace {
@@ -34,7 +39,48 @@ constexpr absl::Duration kMaxRetryDelay = absl::Milliseconds(200);
 // How long a failing rank 0 spends telling its peers why before closing.
 constexpr absl::Duration kErrorNoticeTimeout = absl::Milliseconds(200);
 
-enum class FrameKind : uint32_t { kHello = 1, kBlob = 2, kAll = 3, kError = 4 };
+enum class FrameKind : uint32_t {
+  kHello = 1, kBlob = 2, kAll = 3, kError = 4, kChallenge = 5, kWelcome = 6
+};
+
+constexpr size_t kHelloBytes = 16;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kMacBytes = 32;
+// Connections rank 0 holds that have not identified themselves yet; beyond
+// it the oldest is closed (a flood of stray connections cannot exhaust
+// descriptors or memory).
+constexpr size_t kMaxPendingConnections = 64;
+// The largest frame a connection may send before it has identified itself.
+constexpr uint64_t kMaxUnidentifiedFrameBytes = 1024;
+constexpr char kHelloLabel[] = "exl3serve bootstrap hello v1";
+constexpr char kWelcomeLabel[] = "exl3serve bootstrap welcome v1";
+
+std::string RandomNonce() {
+  std::string n(kNonceBytes, '\0');
+  if (RAND_bytes(reinterpret_cast<unsigned char*>(n.data()), static_cast<int>(n.size())) != 1) {
+    // Without the CSPRNG there is no safe challenge; a fixed one would be
+    // replayable, so the handshake fails (the MAC check never matches).
+    n.assign(kNonceBytes, '\xff');
+  }
+  return n;
+}
+
+std::string Mac(const std::string& key, std::string_view label, const std::string& a,
+                const std::string& b, const std::string& c = "") {
+  std::string message(label);
+  message += a;
+  message += b;
+  message += c;
+  unsigned char out[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(message.data()), message.size(), out, &len);
+  return std::string(reinterpret_cast<char*>(out), len);
+}
+
+bool SameMac(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
 
 void PutU32(std::string& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -112,9 +158,9 @@ class FrameReader {
           return Result::kError;
         }
         length_ = GetU64(buffer_.data() + 8);
-        if (length_ > kMaxFrameBytes) {
+        if (length_ > max_bytes_) {
           error_ =
-              absl::StrCat("frame of ", length_, " bytes exceeds the limit of ", kMaxFrameBytes);
+              absl::StrCat("frame of ", length_, " bytes exceeds the limit of ", max_bytes_);
           return Result::kError;
         }
       }
@@ -131,6 +177,7 @@ class FrameReader {
   }
 
   const std::string& error() const { return error_; }
+  void set_max_bytes(uint64_t max_bytes) { max_bytes_ = max_bytes; }
 
  private:
   bool Complete() const {
@@ -138,6 +185,7 @@ class FrameReader {
   }
   std::string buffer_;
   uint64_t length_ = 0;
+  uint64_t max_bytes_ = kMaxFrameBytes;
   std::string error_;
 };
 
@@ -222,6 +270,8 @@ struct TcpBootstrap::Peer {
   FrameReader reader;
   bool has_blob = false;
   std::string blob;
+  std::string nonce;        // the challenge sent on accept (auth)
+  absl::Time accepted_at;   // for the handshake timeout
   ~Peer() {
     if (fd >= 0) close(fd);
   }
@@ -232,6 +282,8 @@ TcpBootstrap::TcpBootstrap(const TcpBootstrapOptions& options)
       world_size_(options.world_size),
       host_(options.host),
       group_id_(options.group_id),
+      auth_key_(options.auth_key),
+      handshake_timeout_(options.handshake_timeout),
       port_(options.port) {}
 
 TcpBootstrap::~TcpBootstrap() { CloseAll(); }
@@ -327,6 +379,9 @@ absl::StatusOr<std::unique_ptr<TcpBootstrap>> TcpBootstrap::Create(
              absl::ToInt64Milliseconds(absl::Ceil(std::min(delay, left), absl::Milliseconds(1)))));
     delay = std::min(delay * 2, kMaxRetryDelay);
   }
+  // With a key the hello waits for rank 0's challenge (PeerHandshake, at the
+  // first AllGather: rank 0 accepts inside its AllGather).
+  if (!options.auth_key.empty()) return boot;
   std::string hello;
   PutU32(hello, static_cast<uint32_t>(options.rank));
   PutU32(hello, static_cast<uint32_t>(options.world_size));
@@ -382,7 +437,30 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
       if (peers_[r] == nullptr) unconnected.push_back(r);
       if (peers_[r] == nullptr || !peers_[r]->has_blob) missing.push_back(r);
     }
+    if (unconnected.empty() && !unidentified_.empty()) {
+      // Every rank is here: whoever else is connected is not one of ours.
+      for (auto& u : unidentified_) {
+        EXL3_LOG(kWarning) << what << ": refused the connection from " << u->address
+                           << ": every rank has joined";
+      }
+      unidentified_.clear();
+    }
     if (missing.empty()) break;
+
+    // Connections that have not identified themselves in time are closed
+    // (a slow loris or a scanner must not hold a slot or stall the group).
+    const absl::Time now = absl::Now();
+    for (auto it = unidentified_.begin(); it != unidentified_.end();) {
+      if (now - (*it)->accepted_at >= handshake_timeout_) {
+        EXL3_LOG(kWarning) << what << ": refused the connection from " << (*it)->address
+                           << ": no valid hello within " << absl::FormatDuration(handshake_timeout_);
+        it = unidentified_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    absl::Time wake = deadline;
+    for (auto& u : unidentified_) wake = std::min(wake, u->accepted_at + handshake_timeout_);
 
     // Who we poll: the listener while someone is missing, every accepted
     // connection (also finished ones, to notice a drop at once).
@@ -398,6 +476,7 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
       peer_of_fd.push_back(r);
     }
     int timeout = PollTimeoutMs(deadline);
+    if (timeout > 0 && wake < deadline) timeout = std::max(1, PollTimeoutMs(wake));
     if (timeout == 0) {
       std::string detail =
           unconnected.empty() ? "" : absl::StrCat("; never connected: ", RankList(unconnected));
@@ -421,6 +500,23 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
         auto peer = std::make_unique<Peer>();
         peer->fd = fd;
         peer->address = PeerAddressText(from);
+        peer->accepted_at = absl::Now();
+        peer->reader.set_max_bytes(kMaxUnidentifiedFrameBytes);
+        if (!auth_key_.empty()) {
+          peer->nonce = RandomNonce();
+          if (!SendAll(fd, Frame(FrameKind::kChallenge, peer->nonce),
+                       absl::Now() + kErrorNoticeTimeout, "challenge").ok()) {
+            EXL3_LOG(kWarning) << what << ": connection from " << peer->address
+                               << " dropped before its challenge";
+            continue;
+          }
+        }
+        if (unidentified_.size() >= kMaxPendingConnections) {
+          EXL3_LOG(kWarning) << what << ": more than " << kMaxPendingConnections
+                             << " unidentified connections; closed the oldest, from "
+                             << unidentified_.front()->address;
+          unidentified_.erase(unidentified_.begin());
+        }
         unidentified_.push_back(std::move(peer));
       }
     }
@@ -440,8 +536,34 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
         continue;
       }
       auto [kind, body] = u.reader.Take();
-      if (kind != FrameKind::kHello || body.size() != 16) {
+      const size_t authed_size = kHelloBytes + kNonceBytes + kMacBytes;
+      if (kind != FrameKind::kHello || (body.size() != kHelloBytes && body.size() != authed_size)) {
         EXL3_LOG(kWarning) << what << ": connection from " << u.address << " sent no hello; closed";
+        continue;
+      }
+      if (!auth_key_.empty()) {
+        if (body.size() != authed_size) {
+          EXL3_LOG(kWarning) << what << ": refused " << u.address
+                             << ": its hello carries no rank token proof (give every rank the "
+                                "same --rank-token-file)";
+          continue;
+        }
+        const std::string hello = body.substr(0, kHelloBytes);
+        const std::string peer_nonce = body.substr(kHelloBytes, kNonceBytes);
+        if (!SameMac(body.substr(kHelloBytes + kNonceBytes), Mac(auth_key_, kHelloLabel, u.nonce, hello, peer_nonce))) {
+          EXL3_LOG(kWarning) << what << ": refused " << u.address << ": wrong rank token";
+          continue;
+        }
+        if (!SendAll(u.fd, Frame(FrameKind::kWelcome, Mac(auth_key_, kWelcomeLabel, peer_nonce, u.nonce)),
+                     absl::Now() + kErrorNoticeTimeout, "welcome").ok()) {
+          EXL3_LOG(kWarning) << what << ": connection from " << u.address << " dropped before its welcome";
+          continue;
+        }
+        body = hello;
+      } else if (body.size() != kHelloBytes) {
+        EXL3_LOG(kWarning) << what << ": refused " << u.address
+                           << ": it proves a rank token but this rank 0 has none (give every rank "
+                              "the same --rank-token-file)";
         continue;
       }
       int peer_rank = static_cast<int>(GetU32(body.data()));
@@ -461,6 +583,11 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
                          peers_[peer_rank]->address, " and ", u.address, ")")));
       }
       u.rank = peer_rank;
+      u.reader.set_max_bytes(kMaxFrameBytes);
+      if (!auth_key_.empty()) {
+        EXL3_LOG(kInfo) << "tcp bootstrap: rank " << peer_rank << " joined from " << u.address
+                        << " (rank token verified)";
+      }
       peers_[peer_rank] = std::move(unidentified_[i]);
     }
     for (auto it = done.rbegin(); it != done.rend(); ++it)
@@ -512,11 +639,78 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
   return all;
 }
 
+// Reads one frame from `fd` by `deadline`.
+absl::StatusOr<std::pair<uint32_t, std::string>> ReadOneFrame(int fd, absl::Time deadline,
+                                                              const std::string& what) {
+  FrameReader reader;
+  reader.set_max_bytes(kMaxUnidentifiedFrameBytes);
+  while (true) {
+    FrameReader::Result res = reader.Read(fd);
+    if (res == FrameReader::Result::kFrame) {
+      auto [kind, body] = reader.Take();
+      return std::make_pair(static_cast<uint32_t>(kind), std::move(body));
+    }
+    if (res == FrameReader::Result::kClosed) {
+      return absl::UnavailableError(absl::StrCat(what, ": the connection closed"));
+    }
+    if (res == FrameReader::Result::kError) {
+      return absl::UnavailableError(absl::StrCat(what, ": ", reader.error()));
+    }
+    const int timeout = PollTimeoutMs(deadline);
+    if (timeout == 0) return absl::DeadlineExceededError(absl::StrCat(what, ": deadline exceeded"));
+    pollfd p{fd, POLLIN, 0};
+    poll(&p, 1, timeout);
+  }
+}
+
+absl::Status TcpBootstrap::PeerHandshake(absl::Time deadline, const std::string& what) {
+  const std::string root = absl::StrCat("rank 0 at ", host_, ":", port_);
+  absl::StatusOr<std::pair<uint32_t, std::string>> challenge =
+      ReadOneFrame(root_fd_, deadline, absl::StrCat(what, ": waiting for the challenge of ", root));
+  if (!challenge.ok()) {
+    return absl::Status(challenge.status().code(),
+                        absl::StrCat(challenge.status().message(),
+                                     " (rank 0 sends one only with a rank token: is "
+                                     "--rank-token-file the same on every rank?)"));
+  }
+  if (challenge->first != static_cast<uint32_t>(FrameKind::kChallenge) ||
+      challenge->second.size() != kNonceBytes) {
+    return absl::UnavailableError(absl::StrCat(what, ": ", root, " sent no challenge"));
+  }
+  std::string hello;
+  PutU32(hello, static_cast<uint32_t>(rank_));
+  PutU32(hello, static_cast<uint32_t>(world_size_));
+  PutU64(hello, group_id_);
+  const std::string nonce = RandomNonce();
+  const std::string body = hello + nonce + Mac(auth_key_, kHelloLabel, challenge->second, hello, nonce);
+  EXL3_RETURN_IF_ERROR(SendAll(root_fd_, Frame(FrameKind::kHello, body), deadline,
+                               absl::StrCat(what, ": hello to ", root)));
+  absl::StatusOr<std::pair<uint32_t, std::string>> welcome =
+      ReadOneFrame(root_fd_, deadline, absl::StrCat(what, ": waiting for the welcome of ", root));
+  if (!welcome.ok()) {
+    return absl::Status(welcome.status().code(),
+                        absl::StrCat(welcome.status().message(),
+                                     " (rank 0 closes a hello with a wrong rank token: is "
+                                     "--rank-token-file the same on every rank?)"));
+  }
+  if (welcome->first != static_cast<uint32_t>(FrameKind::kWelcome) ||
+      !SameMac(welcome->second, Mac(auth_key_, kWelcomeLabel, nonce, challenge->second))) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        what, ": ", root, " does not know the rank token (wrong welcome); refusing to join it"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<std::string>> TcpBootstrap::PeerAllGather(const std::string& blob,
                                                                      absl::Time deadline) {
   const std::string what =
       absl::StrCat("tcp bootstrap AllGather #", calls_, " (rank ", rank_, " of ", world_size_, ")");
   const std::string root = absl::StrCat("rank 0 at ", host_, ":", port_);
+  if (!auth_key_.empty() && !handshaken_) {
+    absl::Status handshake = PeerHandshake(deadline, what);
+    if (!handshake.ok()) return Fail(handshake);
+    handshaken_ = true;
+  }
   absl::Status sent =
       SendAll(root_fd_, Frame(FrameKind::kBlob, blob), deadline, absl::StrCat(what, ": to ", root));
   if (!sent.ok()) return Fail(sent);

@@ -15,6 +15,23 @@
 //   kind 2 blob     (peer -> 0, per AllGather): the peer's blob
 //   kind 3 all      (0 -> peer, per AllGather): u32 n, then n × (u64 length, bytes)
 //   kind 4 error    (0 -> peer, when rank 0 fails): u32 absl status code, message
+//   kind 5 challenge (0 -> peer, on accept, with auth_key): 32 random bytes N0
+//   kind 6 welcome   (0 -> peer, after a valid hello, with auth_key):
+//                   HMAC-SHA256(key, "exl3serve bootstrap welcome v1" | Np | N0)
+// With auth_key the hello is sent at the peer's first AllGather, after the
+// challenge, as  hello(16) | Np (32 random bytes) |
+//   HMAC-SHA256(key, "exl3serve bootstrap hello v1" | N0 | hello(16) | Np),
+// and the peer sends its blob only after checking the welcome: each side
+// proves it knows the cluster's rank token before any setup data (UCX
+// addresses, NCCL ids) moves, and a replayed hello fails on a fresh N0.
+// Rank 0 refuses (closes, logs the peer's address) a hello without a MAC or
+// with a wrong one and keeps waiting for the real ranks; a connection that
+// has not sent a valid hello within handshake_timeout (a slow loris, a port
+// scanner) is closed the same way, and at most kMaxPendingConnections wait
+// at once. The bootstrap carries no encryption: with auth it is
+// authenticated, and its payloads are worker addresses, not secrets; the
+// collective data plane (shm, UCX, NCCL) itself stays on the trusted network
+// (deploy/README.md).
 // Rank 0 accepts connections lazily, inside AllGather, so Create() on rank 0
 // returns at once (and port() is known before any peer starts). A hello with
 // another world size or group id (a stale rank of another run) is closed and
@@ -56,6 +73,13 @@ struct TcpBootstrapOptions {
   // Must be equal on every rank of one group; lets rank 0 turn away a rank
   // left over from another run that reuses the same address.
   uint64_t group_id = 0;
+  // The cluster's rank token (worker --rank-token-file): peers and rank 0
+  // prove they know it (HMAC challenge above). Empty = unauthenticated (a
+  // trusted network); it must be set on every rank or on none.
+  std::string auth_key;
+  // Rank 0 closes a connection that has not sent a valid hello this long
+  // after it was accepted.
+  absl::Duration handshake_timeout = absl::Seconds(5);
 };
 
 class TcpBootstrap final : public Bootstrap {
@@ -93,11 +117,16 @@ class TcpBootstrap final : public Bootstrap {
   // every socket. Returns `status`.
   absl::Status Fail(absl::Status status);
   void CloseAll();
+  // Ranks > 0 with auth_key: challenge -> hello -> welcome, before the first blob.
+  absl::Status PeerHandshake(absl::Time deadline, const std::string& what);
 
   const int rank_;
   const int world_size_;
   const std::string host_;
   const uint64_t group_id_;
+  const std::string auth_key_;
+  const absl::Duration handshake_timeout_;
+  bool handshaken_ = false;                          // ranks > 0: the welcome was checked
   uint16_t port_ = 0;
   int listen_fd_ = -1;                               // rank 0
   int root_fd_ = -1;                                 // ranks > 0: the connection to rank 0

@@ -154,7 +154,9 @@ class Session {
   // `authorization`: "Bearer <rank token>", or empty.
   Session(const RankClientOptions& options, pb::RankControl::Stub* stub,
           const std::string& authorization)
-      : options_(options), stub_(stub) {
+      : options_(options),
+        stub_(stub),
+        rank_token_(absl::StartsWith(authorization, "Bearer ") ? authorization.substr(7) : "") {
     if (!authorization.empty()) context_.AddMetadata("authorization", authorization);
   }
 
@@ -264,6 +266,7 @@ class Session {
     rank_setup.comm.shm_name = setup.comm().shm_name();
     rank_setup.comm.bootstrap_address = setup.comm().bootstrap_address();
     rank_setup.comm.ucx_tls = setup.comm().ucx_tls();
+    rank_setup.comm.bootstrap_key = rank_token_;  // our own token file, never the wire's
     absl::StatusOr<KvCacheDtype> dtype = KvDtype(setup.kv().dtype_bits());
     if (!dtype.ok()) return SessionEnd{EndKind::kRefused, dtype.status(), ""};
     rank_setup.kv.dtype = *dtype;
@@ -509,6 +512,7 @@ class Session {
 
   const RankClientOptions& options_;
   pb::RankControl::Stub* const stub_;  // borrowed; outlives the session
+  const std::string rank_token_;       // --rank-token-file's content ("" = none): the bootstrap key
   grpc::ClientContext context_;        // TryCancel is thread-safe
   std::unique_ptr<grpc::ClientReaderWriter<pb::RankMessage, pb::CoordinatorMessage>> stream_;
   std::thread step_thread_;  // started by the reader thread on Setup, joined by Run
