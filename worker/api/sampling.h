@@ -24,8 +24,8 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;    // [-2, 2]
   // Added to the logit of a token id after the penalties, each in [-100, 100]
   // (the OpenAI API's `logit_bias`).
-  std::vector<std::pair<int32_t, float>> logit_bias;
-  std::optional<uint64_t> seed;      // none: a random seed (std::random_device)
+  std::vector<std::pair<int32_t, float>> logit_bias{};
+  std::optional<uint64_t> seed{};     // none: a random seed (std::random_device)
   bool logprobs = false;             // report the chosen token's log-probability
   int top_logprobs = 0;              // and the n most likely tokens' (0..20)
 };

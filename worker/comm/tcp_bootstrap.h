@@ -76,7 +76,7 @@ struct TcpBootstrapOptions {
   // The cluster's rank token (worker --rank-token-file): peers and rank 0
   // prove they know it (HMAC challenge above). Empty = unauthenticated (a
   // trusted network); it must be set on every rank or on none.
-  std::string auth_key;
+  std::string auth_key{};
   // Rank 0 closes a connection that has not sent a valid hello this long
   // after it was accepted.
   absl::Duration handshake_timeout = absl::Seconds(5);
