@@ -192,10 +192,12 @@ absl::StatusOr<std::string> Tokenizer::DecodeForStream(std::span<const int32_t> 
   }
   if (pieces_out != nullptr) *pieces_out = pieces.size();
   if (impl.decoders.empty()) {
-    // No decoder: Hugging Face joins the tokens with spaces.
+    // No decoder: Hugging Face joins the tokens with spaces. A streamed
+    // piece after the sequence's first gets its separating space too, so
+    // the streamed text adds up to Decode (found by tests/fuzz/tokenizer_fuzz).
     std::string joined;
     for (size_t i = 0; i < pieces.size(); ++i) {
-      if (i > 0) joined += ' ';
+      if (i > 0 || !sequence_start) joined += ' ';
       joined += pieces[i];
     }
     return joined;

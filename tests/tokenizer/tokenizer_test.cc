@@ -282,5 +282,21 @@ TEST(TokenizerLoadTest, ReportsAMissingDirectoryAsNotFound) {
   EXPECT_THAT(t.status().message(), HasSubstr("tokenizer.json"));
 }
 
+// A tokenizer.json without a decoder joins tokens with spaces (as Hugging
+// Face does); streamed one token at a time it must give the same text
+// (found by tests/fuzz/tokenizer_fuzz.cc).
+TEST(StreamDecoderTest, WithoutADecoderStreamsTheSameSpacesAsDecode) {
+  json vocab = {{"a", 0}, {"b", 1}, {"ab", 2}};
+  json j = {{"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", json::array({"a b"})}}}};
+  std::unique_ptr<Tokenizer> t = Make(j);
+  ASSERT_NE(t, nullptr);
+  const std::vector<int32_t> ids = {2, 0, 1, 2};
+  auto decoded = t->Decode(ids);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(*decoded, "ab a b ab");
+  std::vector<std::string> chunks;
+  EXPECT_EQ(StreamAll(*t, ids, &chunks), *decoded);
+}
+
 }  // namespace
 }  // namespace exl3serve::coordinator
