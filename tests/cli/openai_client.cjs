@@ -203,11 +203,23 @@ async function scriptedServer() {
   const two = await client.chat.completions.create({ model: 'scripted', messages: [{ role: 'user', content: 'hi' }], n: 2, seed: 5 });
   check(two.choices.length === 2 && two.choices[1].index === 1, 'n = 2');
   // 503 with Retry-After while not ready (SIGUSR1 toggles the scripted engine).
+  // The signal is handled asynchronously: wait (bounded) until /health says so.
+  const health = async (want) => {
+    const until = Date.now() + 10000;
+    for (;;) {
+      const r = await fetch(SCRIPTED.replace(/\/v1$/, '') + '/health');
+      if (r.status === want) return;
+      if (Date.now() > until) throw new Error(`/health never became ${want}`);
+      await new Promise((res) => setTimeout(res, 20));
+    }
+  };
   process.kill(Number(SCRIPTED_PID), 'SIGUSR1');
+  await health(503);
   const e503 = await expectStatus(client.chat.completions.create({ model: 'scripted', messages: ask }), 503,
     OpenAI.InternalServerError, 'not ready');
   check(e503.headers.get('retry-after') === '5', 'Retry-After on 503');
   process.kill(Number(SCRIPTED_PID), 'SIGUSR1');
+  await health(200);
 }
 
 (async () => {
