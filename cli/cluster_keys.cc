@@ -1,10 +1,36 @@
 #include "cli/cluster_keys.h"
 
+#include <fstream>
+#include <sstream>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
 namespace exl3serve::cli {
 namespace {
+
+// Depth-first walk counting every node visit (aliases again at each use).
+absl::Status CheckShape(const YAML::Node& node, int depth, int64_t* visited,
+                        const std::string& name) {
+  if (++*visited > kMaxClusterYamlNodes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        name, ": more than kMaxClusterYamlNodes = ", kMaxClusterYamlNodes,
+        " YAML nodes (counting each use of an alias); a cluster config is far smaller"));
+  }
+  if (depth > kMaxClusterYamlDepth) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": nested deeper than kMaxClusterYamlDepth = ",
+                                                   kMaxClusterYamlDepth, " levels"));
+  }
+  if (node.IsMap()) {
+    for (const auto& entry : node) {
+      EXL3_RETURN_IF_ERROR(CheckShape(entry.first, depth + 1, visited, name));
+      EXL3_RETURN_IF_ERROR(CheckShape(entry.second, depth + 1, visited, name));
+    }
+  } else if (node.IsSequence()) {
+    for (const auto& item : node) EXL3_RETURN_IF_ERROR(CheckShape(item, depth + 1, visited, name));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status KeyError(const std::string& key, const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("config key `", key, "` ", what));
@@ -19,12 +45,46 @@ absl::Status ReadOptional(const YAML::Node& parent, const std::string& path, con
     *out = node.as<T>();
   } catch (const YAML::Exception&) {
     return KeyError(absl::StrCat(path, ".", key),
-                    absl::StrCat("has a value of the wrong type: ", YAML::Dump(node)));
+                    absl::StrCat("has a value of the wrong type: ", DumpForError(node)));
   }
   return absl::OkStatus();
 }
 
 }  // namespace
+
+absl::StatusOr<YAML::Node> ParseClusterYaml(std::string_view text, const std::string& name) {
+  if (text.size() > kMaxClusterYamlBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", text.size(),
+                                                   " bytes, over kMaxClusterYamlBytes = ",
+                                                   kMaxClusterYamlBytes));
+  }
+  YAML::Node root;
+  try {
+    root = YAML::Load(std::string(text));
+  } catch (const YAML::Exception& e) {  // also yaml-cpp's own recursion guard
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", e.what()));
+  }
+  int64_t visited = 0;
+  EXL3_RETURN_IF_ERROR(CheckShape(root, 0, &visited, name));
+  return root;
+}
+
+absl::StatusOr<YAML::Node> LoadClusterYaml(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(file, ": cannot open the config"));
+  std::string text(kMaxClusterYamlBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) return absl::InvalidArgumentError(absl::StrCat(file, ": cannot read the config"));
+  text.resize(static_cast<size_t>(in.gcount()));
+  return ParseClusterYaml(text, file);
+}
+
+std::string DumpForError(const YAML::Node& node) {
+  std::string text = YAML::Dump(node);
+  constexpr size_t kMaxChars = 200;
+  if (text.size() > kMaxChars) text = text.substr(0, kMaxChars) + "...";
+  return text;
+}
 
 absl::Status ReadRankTls(const YAML::Node& tls, RankTlsPaths* out) {
   EXL3_RETURN_IF_ERROR(ReadOptional(tls, "tls", "rank_cert", &out->cert));
@@ -56,7 +116,8 @@ absl::Status ReadRankTls(const YAML::Node& tls, RankTlsPaths* out) {
 absl::Status ReadNcclKeys(const YAML::Node& node, const std::string& path, NcclKeys* out) {
   if (!node.IsMap()) return KeyError(path, "must be a mapping");
   for (const auto& entry : node) {
-    const std::string key = entry.first.as<std::string>();
+    if (!entry.first.IsScalar()) return KeyError(path, "has a key that is not a string");
+    const std::string key = entry.first.Scalar();
     if (key != "net" && key != "ib_hca" && key != "ib_gid_index" && key != "socket_ifname") {
       return absl::InvalidArgumentError(absl::StrCat("unknown config key `", path, ".", key, "`"));
     }

@@ -60,32 +60,6 @@ absl::StatusOr<GenerationServiceOptions> ServiceOptions(const GrpcServerOptions&
 
 }  // namespace
 
-bool IsLoopbackHost(const std::string& host) {
-  std::string h = host;
-  if (h.size() >= 2 && h.front() == '[' && h.back() == ']') h = h.substr(1, h.size() - 2);
-  if (absl::AsciiStrToLower(h) == "localhost") return true;
-  in_addr v4;
-  if (::inet_pton(AF_INET, h.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6;
-  if (::inet_pton(AF_INET6, h.c_str(), &v6) == 1) return IN6_IS_ADDR_LOOPBACK(&v6);
-  return false;
-}
-
-absl::Status CheckListenPolicy(const GrpcServerOptions& options) {
-  const bool client_check = !options.auth_token_file.empty() ||
-                            !options.service.auth_token.empty() ||
-                            !options.tls.client_ca_file.empty();
-  if (IsLoopbackHost(options.host) || options.insecure_listen_any ||
-      (options.tls.enabled() && client_check)) {
-    return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "refusing to listen on ", options.host,
-      " without credentials: an address other than loopback needs TLS and a client check (",
-      options.credentials_hint, "); listen on 127.0.0.1, or accept the risk with ",
-      "--insecure-listen-any"));
-}
-
 class GrpcServer::Impl {
  public:
   Impl(Engine& engine, const GrpcServerOptions& options, GenerationServiceOptions service)

@@ -805,22 +805,6 @@ const char* GroupStateName(GroupState state) {
   return "unknown";
 }
 
-absl::Status CheckRankListenPolicy(const std::string& listen_address,
-                                   const RankEndpointSecurity& security, const std::string& hint) {
-  std::string host = listen_address;
-  if (const size_t colon = listen_address.rfind(':'); colon != std::string::npos) {
-    host = listen_address.substr(0, colon);
-  }
-  if (IsLoopbackHost(host) || security.insecure_listen_any ||
-      (security.tls() && security.rank_check())) {
-    return absl::OkStatus();
-  }
-  return absl::FailedPreconditionError(absl::StrCat(
-      "refusing to listen for ranks on ", host,
-      " without credentials: an address other than loopback needs TLS and a rank check (", hint,
-      "); listen on 127.0.0.1, or accept the risk with insecure_rank_listen_any"));
-}
-
 RemoteRankGroup::RemoteRankGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 absl::StatusOr<std::unique_ptr<RemoteRankGroup>> RemoteRankGroup::Start(

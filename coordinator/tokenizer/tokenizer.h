@@ -57,6 +57,16 @@ struct SpecialTokenIds {
 
 class StreamDecoder;
 
+// Limits on what a tokenizer.json may ask for; each error names its limit.
+// Token ids (vocabulary, added tokens, post-processor ids) are below
+// kMaxTokenId: the tables are indexed by id, so a stray id of 2^31 would
+// otherwise allocate gigabytes (the largest published vocabularies hold
+// ~262 k tokens).
+inline constexpr int32_t kMaxTokenId = 1 << 22;
+// tokenizer.json / tokenizer_config.json as read by Tokenizer::Load (real
+// files are at most tens of MB).
+inline constexpr size_t kMaxTokenizerFileBytes = size_t{1} << 30;
+
 // Thread safety: immutable after loading; every const method is thread-safe.
 // Ownership: owns all its tables (the vocabulary is copied out of the JSON).
 class Tokenizer {

@@ -1,6 +1,8 @@
 // Loading a Tokenizer from tokenizer.json / tokenizer_config.json. The only
 // file of the tokenizer that sees nlohmann::json.
+#include <filesystem>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -66,7 +68,10 @@ class Reader {
   }
   absl::StatusOr<int32_t> Id(const json& v, std::string_view path) const {
     EXL3_ASSIGN_OR_RETURN(int64_t id, Int(v, path));
-    if (id < 0 || id > INT32_MAX) return Bad(path, absl::StrCat("token id ", id, " is out of range"));
+    if (id < 0 || id >= kMaxTokenId) {
+      return Bad(path, absl::StrCat("token id ", id, " is out of range (0 <= id < kMaxTokenId = ",
+                                    kMaxTokenId, ")"));
+    }
     return static_cast<int32_t>(id);
   }
   absl::StatusOr<const json*> Array(const json& obj, const char* key, std::string_view path) const {
@@ -482,6 +487,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view 
 }
 
 absl::StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
+  for (const char* name : {"/tokenizer.json", "/tokenizer_config.json"}) {
+    std::error_code error;
+    const uintmax_t bytes = std::filesystem::file_size(model_dir + name, error);
+    if (!error && bytes > kMaxTokenizerFileBytes) {
+      return absl::DataLossError(absl::StrCat(model_dir, name, ": ", bytes,
+                                              " bytes, over kMaxTokenizerFileBytes = ",
+                                              kMaxTokenizerFileBytes));
+    }
+  }
   EXL3_ASSIGN_OR_RETURN(std::string tokenizer_json,
                         sharding::ReadFileToString(model_dir + "/tokenizer.json"));
   std::string config_json;

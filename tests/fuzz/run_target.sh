@@ -6,6 +6,9 @@
 #   chat_template    template text + context JSON
 #   tokenizer        tokenizer.json + tokenizer_config.json + text
 #   model_config     config.json + generation_config.json
+#   model_folder     an EXL3 model folder: config.json + model.safetensors
+#   rank_protocol    Step messages to a loaded rank (needs a build: protobuf code, the binary for the model)
+#   cluster_config   the cluster YAML (coordinator --config, launch)  (needs a build's generated protobuf code)
 # Output in $EXL3_BUILD_DIR/fuzz-TARGET (default ./build): corpus/ (grows
 # across runs), seeds/, artifacts/ (reproducers). Non-zero exit on a finding.
 # Reproduce: <dir>/TARGET_fuzz FILE
@@ -25,6 +28,7 @@ seed_file() { [ -f "$2" ] && cp "$2" "$out/seeds/$1" || true; }
 tokenizer_sources=("$src"/coordinator/tokenizer/*.cc "$src/sharding/safetensors_json.cc" "$src/sharding/safetensors_atomic_file.cc"
                    "$src/common/status_macros.cc" "$src/common/logging.cc")
 extra_flags=()
+link_objects=0
 max_len=65536
 timeout=30
 dict=""
@@ -97,8 +101,99 @@ PY
     seed llama.json '{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"vocab_size":100,"rms_norm_eps":1e-5,"rope_theta":10000,"rope_scaling":{"rope_type":"llama3","factor":8,"low_freq_factor":1,"high_freq_factor":4,"original_max_position_embeddings":8192}}'
     seed moe.json '{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1}'
     ;;
+  model_folder)
+    sources=("$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc
+             "$src"/kernels/{reconstruct,hadamard,trellis_lut,trellis_pack}.cc
+             "$src/common/status_macros.cc" "$src/common/logging.cc")
+    pkgs=(absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map absl_raw_hash_set absl_hash absl_synchronization)
+    dict=$src/tests/fuzz/safetensors.dict
+    max_len=$((512 << 10))
+    timeout=60
+    # The shared single-linear test checkpoints (every codebook, K, legacy
+    # signs, an unaligned header) and, when the binary is built, a tiny
+    # Llama and Qwen3-MoE converted to EXL3.
+    n=0
+    while IFS= read -r -d '' f; do
+      d=$(dirname "$f")
+      [ -f "$d/config.json" ] || continue
+      n=$((n + 1))
+      { cat "$d/config.json"; printf '\0'; cat "$f"; } >"$out/seeds/vector_$n"
+    done < <(find "$shared/testdata/exl3" -name model.safetensors -size -200k -print0 2>/dev/null | sort -z)
+    if [ -x "$build/cli/exl3serve" ] && [ ! -f "$out/seeds/llama" ]; then
+      tmp=$(mktemp -d)
+      for arch in llama qwen3-moe; do
+        if "$build/cli/exl3serve" make-test-model --out "$tmp/$arch-hf" --arch "$arch" --layers 1 --hidden 128 \
+             --intermediate 256 --vocab 48 --experts 2 >/dev/null 2>&1 &&
+           "$build/cli/exl3serve" convert --in "$tmp/$arch-hf" --out "$tmp/$arch" --bits 2 --head-bits 2 \
+             --threads 1 --no-progress >/dev/null 2>&1; then
+          { cat "$tmp/$arch/config.json"; printf '\0'; cat "$tmp/$arch/model.safetensors"; } >"$out/seeds/$arch"
+        fi
+      done
+      rm -rf "$tmp"
+    fi
+    ;;
+  rank_protocol)
+    gen=$build/proto/gen
+    [[ -f $gen/exl3serve/rank/v1/rank.pb.cc && -x $build/cli/exl3serve ]] ||
+      { echo "run_target.sh: needs a build (generated protobuf code, build/cli/exl3serve)" >&2; exit 2; }
+    # Most of a rank: compiled once into objects (cached in $out/obj), the
+    # fuzzer linked from them.
+    sources=($(ls "$src"/worker/model/*.cc | grep -v /calibration.cc) "$src"/worker/api/*.cc
+             "$src"/worker/rank/{rank_executor,capacities,step_command}.cc
+             "$src"/worker/comm/{comm_factory,communicator,gpu_backend_choice,gpu_rank_info,hierarchical_communicator,host_staged_communicator,reduce_sum,reduce_sum_avx2,reduce_sum_avx512,shm_communicator,tcp_bootstrap,timed_communicator,ucx_communicator}.cc
+             "$src"/kernels/*.cc "$src"/kernels/cpu/*.cc
+             "$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc
+             "$src/common/status_macros.cc" "$src/common/logging.cc" "$gen/exl3serve/rank/v1/rank.pb.cc"
+             "$gen/exl3serve/v1/generation.pb.cc")
+    extra_flags=(-I"$gen")
+    pkgs=(protobuf ucx libcrypto absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map
+          absl_raw_hash_set absl_hash absl_synchronization absl_time)
+    link_objects=1
+    max_len=4096
+    timeout=60
+    # The rank's model: a tiny Llama (odd vocab) converted to 2-bit EXL3.
+    model=$out/model
+    if [ ! -f "$model/config.json" ]; then
+      tmp=$(mktemp -d)
+      "$build/cli/exl3serve" make-test-model --out "$tmp/hf" --layers 2 --hidden 128 --intermediate 256 \
+        --vocab 61 >/dev/null
+      rm -rf "$model"
+      "$build/cli/exl3serve" convert --in "$tmp/hf" --out "$model" --bits 2 --head-bits 4 --threads 1 \
+        --no-progress >/dev/null
+      rm -rf "$tmp"
+    fi
+    export EXL3_FUZZ_MODEL_DIR=$model
+    # A few hand-made step sequences (bytes for the FuzzedDataProvider).
+    printf '\x10\x00\x00\xc8\x01\x11\x00\x02\x01\x00\x05\x01\x02\x03\x04\x05\x02\x00\x01\x01' >"$out/seeds/add_forward"
+    head -c 2048 /dev/urandom >"$out/seeds/random" 2>/dev/null || true
+    ;;
+  cluster_config)
+    gen=$build/proto/gen
+    [[ -f $gen/exl3serve/v1/generation.pb.h ]] ||
+      { echo "run_target.sh: no generated protobuf code in $gen (build first)" >&2; exit 2; }
+    sources=("$src/cli/cluster_keys.cc" "$src/cli/coordinator_config.cc" "$src/cli/launch_plan.cc"
+             "$src/coordinator/listen_policy.cc" "$src/worker/rank/capacities.cc"
+             "$src/worker/api/step_executor.cc" "$src/common/status_macros.cc" "$src/common/logging.cc")
+    extra_flags=(-I"$gen")
+    pkgs=(yaml-cpp protobuf absl_status absl_statusor absl_strings absl_str_format absl_time absl_synchronization)
+    dict=$src/tests/fuzz/cluster_config.dict
+    max_len=16384
+    for f in "$src"/deploy/cluster/cluster.yaml "$src"/deploy/cluster/local-2-ranks.yaml; do
+      seed_file "$(basename "$f")" "$f"
+    done
+    seed launch.yaml "$(printf '%s\n' 'model_dir: /m' 'world_size: 3' 'capacities: [1, 1, 0.5]' \
+      'listen_address: 10.0.0.1:50061' 'rank_token_file: /t' 'tls: {rank_cert: c, rank_key: k, rank_ca: ca}' \
+      'comm: {backend: ucx, ucx: {tls: tcp}, nccl: {net: IB, ib_gid_index: 3}}' \
+      'kv: {bits: 8, num_pages: 64}' 'precision: {prefill: bf16, decode: int8}' \
+      'engine: {max_running: 8, max_context: 0}' 'timeouts: {join_ms: 10}' \
+      'http_address: 127.0.0.1:8000' 'http: {served_model_names: [a, b], threads: 4}' \
+      'boxes:' '  - {name: lead, address: 10.0.0.1, coordinator: true, ranks: [0], metrics_port: 9400}' \
+      '  - {name: a, address: 10.0.0.2, devices: [0, 1], nics: [eth1], ranks: [1, 2], rank_devices: [0, 1],' \
+      '     rank_metrics_ports: [9401, 9402], nccl: {ib_hca: "mlx5_0:1"}}')"
+    seed aliases.yaml "$(printf '%s\n' 'a: &a [1, 1]' 'b: &b [*a, *a]' 'model_dir: m' 'world_size: 2' 'capacities: *a')"
+    ;;
   *)
-    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config)" >&2
+    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, cluster_config)" >&2
     exit 2
     ;;
 esac
@@ -112,16 +207,61 @@ if [[ -x "$binary" ]]; then
     if [[ "$f" -nt "$binary" ]]; then needs_build=1; break; fi
   done
   for f in "$src"/coordinator/tokenizer/*.h "$src"/coordinator/http/*.h "$src"/worker/model/model_config.h \
-           "$src"/sharding/model_arch.h; do
+           "$src"/sharding/*.h "$src"/kernels/*.h "$src"/cli/*.h; do
     if [[ "$f" -nt "$binary" ]]; then needs_build=1; break; fi
   done
 fi
+san=(-fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined)
+# The ISA flags CMakeLists.txt (exl3_isa_flags) gives a source by its suffix.
+isa_flags() {
+  local avx2="-mavx2 -mfma -mf16c -mbmi2" avx512="-mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni"
+  case $1 in
+    *_avx2.cc) echo "$avx2" ;;
+    *_avx512icl.cc) echo "$avx512 $avx2 -mavx512vbmi -mavx512vbmi2" ;;
+    *_avx512fp16.cc) echo "$avx512 $avx2 -mavx512fp16 -ffp-contract=off" ;;
+    *_avx512bf16.cc) echo "$avx512 $avx2 -mavx512bf16 -mamx-tile -mamx-bf16" ;;
+    *_avx512.cc) echo "$avx512 $avx2" ;;
+  esac
+}
+if [[ $link_objects == 1 ]]; then
+  # One object per source, rebuilt when the source (or any header of the
+  # project) is newer; two at a time.
+  mkdir -p "$out/obj"
+  newest_header=$(find "$src" -name '*.h' -newer "$out/obj/.stamp" -print -quit 2>/dev/null || echo all)
+  [[ -f $out/obj/.stamp ]] || newest_header=all
+  objects=()
+  jobs=()
+  for f in "${all_sources[@]}"; do
+    o=$out/obj/$(echo "${f#"$src"/}" | tr '/' '_').o
+    objects+=("$o")
+    if [[ ! -f $o || $f -nt $o || -n $newest_header ]]; then jobs+=("$f"); fi
+  done
+  if [[ ${#jobs[@]} -gt 0 ]]; then
+    echo "run_target.sh: compiling ${#jobs[@]} sources for $target"
+    cflags=$(pkg-config --cflags "${pkgs[@]}")
+    export src out cxx cflags
+    export -f isa_flags
+    printf '%s\0' "${jobs[@]}" | xargs -0 -P "${EXL3_FUZZ_JOBS:-2}" -I{} bash -c '
+      f={}; o=$out/obj/$(echo "${f#"$src"/}" | tr "/" "_").o
+      # shellcheck disable=SC2046
+      '"$cxx"' -std=c++20 -g -O1 -fsanitize=fuzzer-no-link,address,undefined -fno-sanitize-recover=undefined \
+        -I"$src" '"${extra_flags[*]}"' $cflags $(isa_flags "$f") -c "$f" -o "$o.tmp" && mv "$o.tmp" "$o"' ||
+      { echo "run_target.sh: compiling failed" >&2; exit 2; }
+    touch "$out/obj/.stamp"
+    needs_build=1
+  fi
+fi
 if [[ $needs_build == 1 ]]; then
   echo "run_target.sh: building $binary"
-  # shellcheck disable=SC2046  # pkg-config output is a word list
-  "$cxx" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -I"$src" "${extra_flags[@]}" "${all_sources[@]}" $(pkg-config --cflags --libs "${pkgs[@]}") \
-    -o "$binary.tmp"
+  if [[ $link_objects == 1 ]]; then
+    # shellcheck disable=SC2046  # pkg-config output is a word list
+    "$cxx" "${san[@]}" "${objects[@]}" $(pkg-config --libs "${pkgs[@]}") -lpthread -lrt -o "$binary.tmp"
+  else
+    # shellcheck disable=SC2046  # pkg-config output is a word list
+    "$cxx" -std=c++20 -g -O1 "${san[@]}" \
+      -I"$src" "${extra_flags[@]}" "${all_sources[@]}" $(pkg-config --cflags --libs "${pkgs[@]}") \
+      -o "$binary.tmp"
+  fi
   mv "$binary.tmp" "$binary"
 fi
 dict_flag=()

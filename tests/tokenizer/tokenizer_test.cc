@@ -298,5 +298,25 @@ TEST(StreamDecoderTest, WithoutADecoderStreamsTheSameSpacesAsDecode) {
   EXPECT_EQ(StreamAll(*t, ids, &chunks), *decoded);
 }
 
+// Found by the tokenizer fuzzer (30-minute run): a vocabulary id of ~2^31
+// made the id-indexed tables allocate gigabytes (out of memory). Every id of
+// the file is now below kMaxTokenId, and the error names the limit.
+TEST(TokenizerLoadTest, RefusesTokenIdsAtOrAboveTheLimit) {
+  json j = SentencePieceJson();
+  j["model"]["vocab"]["h"] = 2147480000;
+  absl::Status s = LoadError(j);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(s.message(), HasSubstr("model.vocab[\"h\"]"));
+  EXPECT_THAT(s.message(), HasSubstr("kMaxTokenId"));
+
+  j = SentencePieceJson();
+  j["added_tokens"][0]["id"] = kMaxTokenId;
+  EXPECT_THAT(LoadError(j).message(), HasSubstr("added_tokens[0].id"));
+
+  j = SentencePieceJson();
+  j["model"]["vocab"]["h"] = kMaxTokenId - 1;  // the largest id allowed
+  EXPECT_TRUE(Tokenizer::FromJson(j.dump(), "", "dir").ok());
+}
+
 }  // namespace
 }  // namespace exl3serve::coordinator

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/trellis_decode.h"
 
@@ -243,4 +244,23 @@ TEST(PagedKvCacheTest, RejectsBadOptions) {
 }
 
 }  // namespace
+// num_pages and page_size_tokens arrive in a Setup message from the cluster
+// config: a pool past the machine's memory (or one whose size overflows) is
+// a clear error, not a std::bad_alloc or an out-of-memory kill.
+TEST(PagedKvCacheTest, RefusesAPoolLargerThanTheMachine) {
+  KvCacheOptions options;
+  options.page_size_tokens = 16;
+  options.num_pages = int64_t{1} << 40;
+  absl::StatusOr<PagedKvCache> huge = PagedKvCache::Create(kShape, options);
+  ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_THAT(huge.status().message(), ::testing::HasSubstr("kv.num_pages"));
+  options.num_pages = INT64_MAX;  // bytes overflow int64
+  EXPECT_EQ(PagedKvCache::Create(kShape, options).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  options.num_pages = 3;
+  options.page_size_tokens = INT32_MAX;
+  EXPECT_EQ(PagedKvCache::Create(kShape, options).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 }  // namespace exl3serve::worker

@@ -1,8 +1,11 @@
 #include "worker/model/kv_cache.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
@@ -47,6 +50,18 @@ float QuantizeSymmetric(const float* x, int n, int qmax, int8_t* q) {
 }  // namespace
 
 
+namespace {
+
+// Physical memory of this machine: no KV pool can be larger.
+int64_t MachineMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return INT64_MAX;
+  return static_cast<int64_t>(pages) * page;
+}
+
+}  // namespace
+
 absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
                                                   const KvCacheOptions& options) {
   // Zero kv heads is a rank of a tensor-parallel group without attention
@@ -69,9 +84,26 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
   cache.shape_ = shape;
   cache.options_ = options;
   const int64_t entry = cache.EntryStride();
-  cache.bytes_per_page_ =
-      int64_t{shape.num_layers} * 2 * options.page_size_tokens * shape.num_kv_heads * entry;
-  cache.pool_.assign(static_cast<size_t>(cache.bytes_per_page_ * options.num_pages), 0);
+  // The pool's size in overflow-checked arithmetic: num_pages and
+  // page_size_tokens come from the cluster config via the Setup message.
+  int64_t per_page = 0, pool_bytes = 0;
+  if (__builtin_mul_overflow(int64_t{shape.num_layers} * 2 * shape.num_kv_heads, entry, &per_page) ||
+      __builtin_mul_overflow(per_page, int64_t{options.page_size_tokens}, &per_page) ||
+      __builtin_mul_overflow(per_page, options.num_pages, &pool_bytes) ||
+      pool_bytes > MachineMemoryBytes()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: ", options.num_pages, " pages of ", options.page_size_tokens,
+        " tokens need more than this machine's memory (", MachineMemoryBytes() >> 20,
+        " MiB); lower kv.num_pages or kv.page_size_tokens"));
+  }
+  cache.bytes_per_page_ = per_page;
+  try {
+    cache.pool_.assign(static_cast<size_t>(pool_bytes), 0);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat("kv cache: cannot allocate the pool of ",
+                                                     pool_bytes >> 20, " MiB (", options.num_pages,
+                                                     " pages); lower kv.num_pages"));
+  }
   cache.free_pages_.reserve(options.num_pages);
   for (int64_t p = options.num_pages - 1; p >= 0; --p) cache.free_pages_.push_back(p);
   cache.owner_.assign(static_cast<size_t>(options.num_pages), -1);

@@ -48,7 +48,10 @@ class PagedKvCache {
  public:
   // Errors: InvalidArgument for a non-positive layer count, head_dim, page
   // size or page count, negative kv heads (0 is allowed: a tensor-parallel
-  // rank without attention heads), or an odd head_dim with kInt4. Cost: allocates the whole pool.
+  // rank without attention heads), or an odd head_dim with kInt4;
+  // ResourceExhausted, naming the options, for a pool larger than the
+  // machine's physical memory (or whose size overflows) or one that cannot be
+  // allocated. Cost: allocates the whole pool.
   static absl::StatusOr<PagedKvCache> Create(const KvCacheShape& shape,
                                              const KvCacheOptions& options);
 

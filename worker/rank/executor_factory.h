@@ -22,6 +22,7 @@
 #include "sharding/model_arch.h"
 #include "sharding/spill_store.h"
 #include "worker/api/step_executor.h"
+#include "worker/rank/capacities.h"
 
 namespace exl3serve::worker::rank {
 
@@ -70,10 +71,6 @@ struct LocalExecutor {
   // Thread-safe while `executor` lives; empty for a model in this process.
   std::function<std::vector<LocalRankState>()> rank_state;
 };
-
-// OK when `capacities` is empty or holds world_size finite values > 0;
-// otherwise InvalidArgument saying which value or how many were given.
-absl::Status CheckCapacities(const std::vector<double>& capacities, int world_size);
 
 // Loads the model in this process (ranks == 1; the linears' precisions are
 // set process-wide) or starts the rank processes and waits until they have

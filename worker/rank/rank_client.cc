@@ -26,6 +26,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "worker/model/kv_cache.h"
 #include "worker/rank/rank_executor.h"
+#include "worker/rank/step_command.h"
 
 namespace exl3serve::worker::rank {
 namespace {
@@ -49,26 +50,6 @@ std::string HostName() {
 void SetStatus(const absl::Status& status, pb::RankStatus* out) {
   out->set_code(static_cast<int32_t>(status.code()));
   out->set_message(std::string(status.message()));
-}
-
-SequenceSampling SamplingFromProto(const pb::SamplingSpec& spec) {
-  SequenceSampling out;
-  SamplingParams& p = out.params;
-  p.temperature = spec.temperature();
-  p.top_k = spec.top_k();
-  p.top_p = spec.top_p();
-  p.min_p = spec.min_p();
-  p.repetition_penalty = spec.repetition_penalty();
-  p.presence_penalty = spec.presence_penalty();
-  p.frequency_penalty = spec.frequency_penalty();
-  p.seed = spec.seed();
-  p.logprobs = spec.logprobs();
-  p.top_logprobs = spec.top_logprobs();
-  // Ascending ids: every rank applies the bias in the same order.
-  for (const auto& [id, bias] : spec.logit_bias()) p.logit_bias.emplace_back(id, bias);
-  std::sort(p.logit_bias.begin(), p.logit_bias.end());
-  out.prompt_len = spec.prompt_len();
-  return out;
 }
 
 absl::StatusOr<KvCacheDtype> KvDtype(int bits) {
@@ -396,66 +377,15 @@ class Session {
       pb::RankMessage message;
       pb::StepResult* result = message.mutable_step_result();
       result->set_step_id(step.step_id());
-      RankCommand command;
       absl::Status status;
+      RankCommand command;
+      if (absl::StatusOr<RankCommand> c = RankCommandFromStep(step, group_generation_); c.ok()) {
+        command = *std::move(c);
+      } else {
+        status = c.status();
+      }
       std::vector<float> logits;
       std::vector<SampledToken> sampled;
-      if (step.group_generation() != group_generation_) {
-        // Every rank of the group sees the same step, so all refuse it alike.
-        status = absl::AbortedError(absl::StrCat(
-            "step ", step.step_id(), " is for rank group generation ", step.group_generation(),
-            " but this rank belongs to generation ", group_generation_,
-            " (its sequences are not the caller's: replay them)"));
-      }
-      switch (status.ok() ? step.op_case() : pb::Step::OP_NOT_SET) {
-        case pb::Step::OP_NOT_SET:
-          if (status.ok()) {
-            status = absl::InvalidArgumentError(
-                absl::StrCat("step ", step.step_id(), ": no operation set"));
-          }
-          break;
-        case pb::Step::kAddSequence:
-          command.op = RankCommand::Op::kAddSequence;
-          command.seq_id = step.add_sequence().seq_id();
-          if (step.add_sequence().has_sampling()) {
-            command.sampling = SamplingFromProto(step.add_sequence().sampling());
-          }
-          break;
-        case pb::Step::kRemoveSequence:
-          command.op = RankCommand::Op::kRemoveSequence;
-          command.seq_id = step.remove_sequence().seq_id();
-          break;
-        case pb::Step::kForward: {
-          command.op = RankCommand::Op::kForward;
-          const pb::ForwardBatch& forward = step.forward();
-          if (forward.sampled()) {
-            command.rows = LogitsRows::kLastToken;
-            for (const pb::SequenceTokens& seq : forward.sequences()) {
-              command.batch_sample.push_back(seq.sample() ? 1 : 0);
-            }
-            if (command.batch_sample.empty()) {
-              status = absl::InvalidArgumentError(
-                  absl::StrCat("step ", step.step_id(), ": a sampled forward with no sequences"));
-            }
-          } else if (forward.rows() == pb::LOGITS_ROWS_LAST_TOKEN) {
-            command.rows = LogitsRows::kLastToken;
-          } else if (forward.rows() == pb::LOGITS_ROWS_ALL_TOKENS) {
-            command.rows = LogitsRows::kAllTokens;
-          } else {
-            status = absl::InvalidArgumentError(
-                absl::StrCat("step ", step.step_id(), ": forward rows must be set"));
-          }
-          for (const pb::SequenceTokens& seq : forward.sequences()) {
-            command.batch_seq_ids.push_back(seq.seq_id());
-            command.batch_tokens.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
-            command.batch_new_pages.emplace_back(seq.block_ids().begin(), seq.block_ids().end());
-          }
-          break;
-        }
-        default:
-          status = absl::InvalidArgumentError(
-              absl::StrCat("step ", step.step_id(), ": no operation set"));
-      }
       absl::Duration forward_time;
       if (status.ok()) {
         const absl::Time forward_start = absl::Now();
