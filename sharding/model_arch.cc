@@ -81,6 +81,25 @@ const LinearSpec* ModelArch::FindByKey(std::string_view key) const {
   return nullptr;
 }
 
+namespace {
+
+// Limits on the sizes config.json may give, far above every published model
+// (the largest have 126 layers, hidden 16384, 384 experts, vocabularies of
+// ~262 k); each error names its limit. Without them a downloaded config could
+// ask the loader and planner for tables of 2^60 entries.
+constexpr int64_t kMaxConfigLayers = 1024;
+constexpr int64_t kMaxConfigWidth = int64_t{1} << 20;  // hidden, intermediate, head_dim
+constexpr int64_t kMaxConfigHeads = 4096;
+constexpr int64_t kMaxConfigVocab = int64_t{1} << 22;
+constexpr int64_t kMaxConfigExperts = 4096;
+
+absl::Status OverLimit(const char* key, int64_t value, const char* limit, int64_t max) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: `", key, "` = ", value, " is over ", limit, " = ", max));
+}
+
+}  // namespace
+
 absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
   if (!config.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
   ModelArch arch;
@@ -112,6 +131,7 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
   };
   int64_t layers = 0;
   if (auto s = read("num_hidden_layers", &layers); !s.ok()) return s;
+  if (layers > kMaxConfigLayers) return OverLimit("num_hidden_layers", layers, "kMaxConfigLayers", kMaxConfigLayers);
   arch.num_layers = static_cast<int>(layers);
   if (auto s = read("hidden_size", &arch.hidden_size); !s.ok()) return s;
   if (auto s = read("vocab_size", &arch.vocab_size); !s.ok()) return s;
@@ -136,6 +156,8 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
     int64_t experts = 0, top_k = 0;
     if (auto s = read("num_local_experts", &experts); !s.ok()) return s;
     if (auto s = read("num_experts_per_tok", &top_k); !s.ok()) return s;
+    if (experts > kMaxConfigExperts) return OverLimit("num_experts", experts, "kMaxConfigExperts", kMaxConfigExperts);
+    if (top_k > experts) top_k = experts + 1;  // refused below, without truncation
     arch.num_experts = static_cast<int>(experts);
     arch.num_experts_per_token = static_cast<int>(top_k);
   } else if (entry->family == Family::kQwen3Moe) {
@@ -144,6 +166,8 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
     int64_t experts = 0, top_k = 0;
     if (auto s = read("num_experts", &experts); !s.ok()) return s;
     if (auto s = read("num_experts_per_tok", &top_k); !s.ok()) return s;
+    if (experts > kMaxConfigExperts) return OverLimit("num_experts", experts, "kMaxConfigExperts", kMaxConfigExperts);
+    if (top_k > experts) top_k = experts + 1;  // refused below, without truncation
     arch.num_experts = static_cast<int>(experts);
     arch.num_experts_per_token = static_cast<int>(top_k);
     sparse_step = OptionalInt(config, "decoder_sparse_step", 1);
@@ -155,6 +179,26 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
     }
   } else {
     if (auto s = read("intermediate_size", &arch.intermediate_size); !s.ok()) return s;
+  }
+  // Every size bounded before any product of them is formed.
+  struct Bound {
+    const char* key;
+    int64_t value;
+    const char* limit;
+    int64_t max;
+  };
+  for (const Bound& b : {Bound{"hidden_size", arch.hidden_size, "kMaxConfigWidth", kMaxConfigWidth},
+                         Bound{"vocab_size", arch.vocab_size, "kMaxConfigVocab", kMaxConfigVocab},
+                         Bound{"num_attention_heads", arch.num_attention_heads, "kMaxConfigHeads", kMaxConfigHeads},
+                         Bound{"num_key_value_heads", arch.num_key_value_heads, "kMaxConfigHeads", kMaxConfigHeads},
+                         Bound{"head_dim", arch.head_dim, "kMaxConfigWidth", kMaxConfigWidth},
+                         Bound{"intermediate_size", arch.intermediate_size, "kMaxConfigWidth", kMaxConfigWidth},
+                         Bound{"moe_intermediate_size", arch.moe_intermediate_size, "kMaxConfigWidth", kMaxConfigWidth},
+                         Bound{"num_experts", arch.num_experts, "kMaxConfigExperts", kMaxConfigExperts}}) {
+    if (b.value > b.max) return OverLimit(b.key, b.value, b.limit, b.max);
+  }
+  if (arch.intermediate_size < 0 || arch.moe_intermediate_size < 0) {
+    return absl::InvalidArgumentError("config.json: `intermediate_size` must be >= 0");
   }
   if (arch.num_experts > 0 &&
       (arch.num_experts_per_token <= 0 || arch.num_experts_per_token > arch.num_experts)) {

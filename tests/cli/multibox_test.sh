@@ -135,6 +135,42 @@ boxes:
     rank_devices: [0]
 YAML
 export UCX_TLS=tcp
+# Strangers on the rank bootstrap, from a third box of the same network: a
+# slow loris that connects and never speaks, garbage, and a hello without the
+# token proof. Box b cannot reach box a until they are connected (an
+# unreachable route; rank 1 retries), so they are there before the real rank
+# whatever the timing; then the route goes and the group must still form.
+ip -n "$NSB" route add unreachable "$ADDR_A/32" || fail "cannot hold box b back"
+ip netns exec "$NSC" python3 - "$ADDR_A" 50071 >"$WORK/stranger.log" 2>&1 <<'PY' &
+import socket, struct, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 120
+def connect():
+    while time.monotonic() < deadline:
+        try:
+            return socket.create_connection((host, port), timeout=1)
+        except OSError:
+            time.sleep(0.02)  # a back-off: the port opens when rank 0 gets its Setup
+    sys.exit("the bootstrap port never opened")
+loris = connect()
+garbage = connect()
+garbage.sendall(b"GET / HTTP/1.1\r\n\r\n")
+plain = connect()
+plain.sendall(struct.pack("<IIQ", 0x31425845, 1, 16) + struct.pack("<IIQ", 1, 2, 0))
+print("strangers connected", flush=True)
+for name, s in (("loris", loris), ("garbage", garbage), ("plain hello", plain)):
+    s.settimeout(60)
+    try:
+        while s.recv(4096):
+            pass
+        print(name, "closed by rank 0", flush=True)
+    except ConnectionResetError:  # closed with our bytes unread: a reset
+        print(name, "closed by rank 0 (reset)", flush=True)
+    except OSError as e:
+        print(name, "error", e, flush=True)
+PY
+STRANGER=$!
+PIDS+=($STRANGER)
 for spec in "$NSC:lead" "$NSA:a" "$NSB:b"; do
   ns=${spec%%:*} box=${spec##*:}
   ip netns exec "$ns" "$BIN" --log-level warning launch --config "$WORK/cluster.yaml" --box "$box" \
@@ -142,9 +178,18 @@ for spec in "$NSC:lead" "$NSA:a" "$NSB:b"; do
   PIDS+=($!)
 done
 C() { ip netns exec "$NSC" "$BIN" client --addr 127.0.0.1:50051 "$@"; }
+timeout 120 grep -q -m1 "strangers connected" <(tail -F "$WORK/stranger.log" 2>/dev/null) ||
+  fail "the strangers never reached the bootstrap port: $(cat "$WORK/stranger.log")"
+ip -n "$NSB" route del unreachable "$ADDR_A/32" || fail "cannot release box b"
 C --health --wait-ready-ms 120000 >/dev/null || fail "not ready in 120 s"
+wait "$STRANGER"
+[ "$(grep -c "closed by rank 0" "$WORK/stranger.log")" = 3 ] ||
+  fail "rank 0 left a stranger connected: $(cat "$WORK/stranger.log")"
+refusals=$(grep "tcp bootstrap" "$WORK"/a.log | grep -c "$ADDR_C:")
+[ "$refusals" -ge 3 ] || fail "rank 0 logged $refusals refusals naming $ADDR_C: $(grep -i bootstrap "$WORK"/a.log)"
+echo "three strangers on the bootstrap port were refused ($refusals log lines name $ADDR_C); the group formed"
 # The UCX bootstrap across the boxes is authenticated with the rank token
-# (strangers on it: tests/comm/tcp_bootstrap_test.cc).
+# (and its frames sealed: tests/comm/tcp_bootstrap_test.cc).
 grep -q "tcp bootstrap: rank 1 joined from $ADDR_B:[0-9]* (rank token verified)" "$WORK"/a.log ||
   fail "rank 0 did not verify rank 1's token on the bootstrap: $(grep -i bootstrap "$WORK"/a.log | tail -5)"
 echo "the rank bootstrap verified rank 1's rank token"

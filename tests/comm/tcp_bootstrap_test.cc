@@ -3,6 +3,7 @@
 #include "worker/comm/tcp_bootstrap.h"
 
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gmock/gmock.h"
@@ -303,6 +305,125 @@ TEST(TcpBootstrapTest, WithARankTokenStrangersAreRefusedAndTheGroupForms) {
   EXPECT_EQ(total, 16u + 32u) << "it saw only the challenge";
   close(loris);
   close(garbage);
+}
+
+// A TCP relay between one peer and rank 0 that records both directions and
+// can flip one byte of the peer's stream (an on-path observer / attacker).
+class Relay {
+ public:
+  // `flip_at`: index in the peer -> rank 0 stream whose byte is inverted (-1: none).
+  Relay(uint16_t root_port, int64_t flip_at) : root_port_(root_port), flip_at_(flip_at) {
+    listen_fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    listen(listen_fd_, 1);
+    socklen_t len = sizeof(addr);
+    getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~Relay() {
+    thread_.join();
+    close(listen_fd_);
+  }
+  uint16_t port() const { return port_; }
+  // Valid after the relayed connection ended (the destructor joined).
+  const std::string& up() const { return up_; }
+  const std::string& down() const { return down_; }
+  void Join() { thread_.join(); thread_ = std::thread([] {}); }
+
+ private:
+  void Run() {
+    pollfd lp{listen_fd_, POLLIN, 0};
+    if (poll(&lp, 1, 30000) <= 0) return;
+    const int a = accept(listen_fd_, nullptr, nullptr);
+    const int b = RawConnect(root_port_);
+    char buf[65536];
+    while (true) {
+      pollfd fds[2] = {{a, POLLIN, 0}, {b, POLLIN, 0}};
+      if (poll(fds, 2, 30000) <= 0) break;
+      bool closed = false;
+      for (int side = 0; side < 2; ++side) {
+        if (fds[side].revents == 0) continue;
+        const ssize_t n = recv(fds[side].fd, buf, sizeof buf, 0);
+        if (n <= 0) {
+          closed = true;
+          break;
+        }
+        std::string& log = side == 0 ? up_ : down_;
+        for (ssize_t i = 0; i < n; ++i) {
+          if (side == 0 && static_cast<int64_t>(log.size()) + i == flip_at_) buf[i] = ~buf[i];
+        }
+        log.append(buf, static_cast<size_t>(n));
+        send(side == 0 ? b : a, buf, static_cast<size_t>(n), MSG_NOSIGNAL);
+      }
+      if (closed) break;
+    }
+    close(a);
+    close(b);
+  }
+
+  const uint16_t root_port_;
+  const int64_t flip_at_;
+  int listen_fd_ = -1;
+  uint16_t port_ = 0;
+  std::string up_, down_;
+  std::thread thread_;
+};
+
+// One peer through the relay; returns (rank 0's result, the peer's result).
+std::pair<absl::StatusOr<std::vector<std::string>>, absl::StatusOr<std::vector<std::string>>>
+GatherThroughRelay(const std::string& token, int64_t flip_at, Relay** relay_out,
+                   std::unique_ptr<Relay>* keep) {
+  TcpBootstrapOptions root_options{.rank = 0, .world_size = 2, .port = 0};
+  root_options.auth_key = token;
+  std::unique_ptr<TcpBootstrap> root = MustCreate(root_options);
+  *keep = std::make_unique<Relay>(root->port(), flip_at);
+  *relay_out = keep->get();
+  absl::StatusOr<std::vector<std::string>> peer_result = absl::UnknownError("not run");
+  std::thread peer([&] {
+    TcpBootstrapOptions o{.rank = 1, .world_size = 2, .port = (*relay_out)->port()};
+    o.auth_key = token;
+    auto boot = TcpBootstrap::Create(o, Deadline(kGenerous));
+    peer_result = boot.ok() ? (*boot)->AllGather("SECRET-UCX-ADDRESS-of-rank-1", Deadline(absl::Seconds(10)))
+                            : boot.status();
+  });
+  auto root_result = root->AllGather("SECRET-NCCL-ID-of-rank-0", Deadline(absl::Seconds(10)));
+  peer.join();
+  root.reset();  // closes rank 0's side: the relay ends
+  (*relay_out)->Join();
+  return {std::move(root_result), std::move(peer_result)};
+}
+
+// With a rank token the setup data is encrypted on the wire (an observer
+// sees neither blob), and without one it is not (the observer can see it:
+// the check can fail).
+TEST(TcpBootstrapTest, WithARankTokenSetupDataIsEncryptedOnTheWire) {
+  for (const std::string token : {"", "the-cluster-token"}) {
+    Relay* relay = nullptr;
+    std::unique_ptr<Relay> keep;
+    auto [root_result, peer_result] = GatherThroughRelay(token, -1, &relay, &keep);
+    ASSERT_TRUE(root_result.ok()) << root_result.status();
+    ASSERT_TRUE(peer_result.ok()) << peer_result.status();
+    const std::vector<std::string> want = {"SECRET-NCCL-ID-of-rank-0", "SECRET-UCX-ADDRESS-of-rank-1"};
+    EXPECT_EQ(*root_result, want);
+    EXPECT_EQ(*peer_result, want);
+    const bool seen = absl::StrContains(relay->up(), "SECRET") || absl::StrContains(relay->down(), "SECRET");
+    EXPECT_EQ(seen, token.empty()) << (token.empty() ? "plain" : "sealed") << " bootstrap";
+  }
+}
+
+// One flipped bit in the peer's sealed blob (after its 96-byte hello and the
+// blob frame's 16-byte header) fails the group with Unauthenticated.
+TEST(TcpBootstrapTest, ATamperedSealedFrameFailsTheGroup) {
+  Relay* relay = nullptr;
+  std::unique_ptr<Relay> keep;
+  auto [root_result, peer_result] = GatherThroughRelay("the-cluster-token", 96 + 16 + 3, &relay, &keep);
+  EXPECT_EQ(root_result.status().code(), absl::StatusCode::kUnauthenticated) << root_result.status();
+  EXPECT_THAT(std::string(root_result.status().message()), HasSubstr("failed authentication"));
+  EXPECT_FALSE(peer_result.ok());
 }
 
 // A rank that proves the token to a rank 0 that has none is refused, and a

@@ -9,6 +9,8 @@
 # the corpus grows across runs. Exits non-zero when the fuzzer finds a crash,
 # leak, sanitizer report or contract violation; the reproducer is written to
 # <fuzz dir>/artifacts/. Reproduce with: <fuzz dir>/safetensors_header_fuzz FILE
+# One brace group, parsed before it runs (see run_target.sh).
+{
 set -euo pipefail
 
 target=safetensors_header
@@ -93,3 +95,4 @@ if [[ $rc != 0 ]]; then
   echo "run.sh: fuzzer failed (exit $rc); reproducer in $out/artifacts/" >&2
 fi
 exit $rc
+}

@@ -12,6 +12,9 @@
 # Output in $EXL3_BUILD_DIR/fuzz-TARGET (default ./build): corpus/ (grows
 # across runs), seeds/, artifacts/ (reproducers). Non-zero exit on a finding.
 # Reproduce: <dir>/TARGET_fuzz FILE
+# The whole script is one brace group, parsed before any of it runs: editing
+# this file while a long run is going cannot change what that run executes.
+{
 set -euo pipefail
 target=${1:?usage: run_target.sh TARGET [SECONDS]}
 seconds=${2:-60}
@@ -274,3 +277,4 @@ rc=$?
 set -e
 [[ $rc == 0 ]] || echo "run_target.sh: $target fuzzer failed (exit $rc); reproducer in $out/artifacts/" >&2
 exit $rc
+}

@@ -102,4 +102,38 @@ TEST(ModelArchTest, MissingOrBadKeysNameTheKey) {
 }
 
 }  // namespace
+// Found by the model_config fuzzer (30-minute run): num_hidden_layers of
+// 2.3e15 threw std::length_error out of a vector assign (an abort). Every
+// size is bounded and the error names the limit.
+TEST(ModelArchTest, SizesPastTheirLimitsAreErrorsNamingTheLimit) {
+  struct Case {
+    const char* key;
+    int64_t value;
+    const char* limit;
+  };
+  for (const Case& c : {Case{"num_hidden_layers", 2333333333333333, "kMaxConfigLayers"},
+                        Case{"hidden_size", int64_t{1} << 40, "kMaxConfigWidth"},
+                        Case{"intermediate_size", int64_t{1} << 50, "kMaxConfigWidth"},
+                        Case{"vocab_size", int64_t{1} << 33, "kMaxConfigVocab"},
+                        Case{"num_attention_heads", 1 << 20, "kMaxConfigHeads"},
+                        Case{"head_dim", int64_t{1} << 61, "kMaxConfigWidth"}}) {
+    nlohmann::json config = DenseConfig("LlamaForCausalLM");
+    config[c.key] = c.value;
+    if (std::string(c.key) == "num_attention_heads") {
+      config["num_key_value_heads"] = 1;
+      config["head_dim"] = 64;
+    }
+    auto arch = ModelArchFromConfig(config);
+    ASSERT_FALSE(arch.ok()) << c.key;
+    EXPECT_EQ(arch.status().code(), absl::StatusCode::kInvalidArgument) << c.key;
+    EXPECT_THAT(std::string(arch.status().message()), ::testing::HasSubstr(c.limit)) << c.key;
+    EXPECT_THAT(std::string(arch.status().message()), ::testing::HasSubstr(c.key));
+  }
+  nlohmann::json moe = DenseConfig("MixtralForCausalLM");
+  moe["num_local_experts"] = 1 << 20;
+  moe["num_experts_per_tok"] = 2;
+  EXPECT_THAT(std::string(ModelArchFromConfig(moe).status().message()),
+              ::testing::HasSubstr("kMaxConfigExperts"));
+}
+
 }  // namespace exl3serve::sharding

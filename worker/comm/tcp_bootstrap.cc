@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -81,6 +82,91 @@ std::string Mac(const std::string& key, std::string_view label, const std::strin
 bool SameMac(const std::string& a, const std::string& b) {
   return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
 }
+
+constexpr char kPeerToRootKeyLabel[] = "exl3serve bootstrap key v1 peer->root";
+constexpr char kRootToPeerKeyLabel[] = "exl3serve bootstrap key v1 root->peer";
+constexpr size_t kTagBytes = 16;
+
+}  // namespace
+
+// One direction pair of AES-256-GCM on an authenticated connection. Keys:
+// HMAC-SHA256(rank token, label | N0 | Np), one per direction, so a frame
+// cannot be reflected back; the 96-bit GCM nonce is 4 zero bytes | u64
+// sequence number, which both sides count (a replayed, dropped or reordered
+// frame fails to open). AAD = u32 kind | u64 sequence: the kind cannot be
+// swapped. A frame body is ciphertext | 16-byte tag.
+struct SealedLink {
+  std::string send_key, recv_key;
+  uint64_t send_seq = 0, recv_seq = 0;
+
+  SealedLink(const std::string& auth_key, const std::string& root_nonce,
+             const std::string& peer_nonce, bool is_root) {
+    std::string up = Mac(auth_key, kPeerToRootKeyLabel, root_nonce, peer_nonce);
+    std::string down = Mac(auth_key, kRootToPeerKeyLabel, root_nonce, peer_nonce);
+    send_key = is_root ? down : up;
+    recv_key = is_root ? up : down;
+  }
+
+  static void NonceAndAad(uint32_t kind, uint64_t seq, unsigned char nonce[12],
+                          unsigned char aad[12]) {
+    std::memset(nonce, 0, 12);
+    for (int i = 0; i < 8; ++i) nonce[4 + i] = static_cast<unsigned char>(seq >> (8 * i));
+    for (int i = 0; i < 4; ++i) aad[i] = static_cast<unsigned char>(kind >> (8 * i));
+    std::memcpy(aad + 4, nonce + 4, 8);
+  }
+
+  // Empty on a failure of the cipher library (the caller fails the group).
+  std::optional<std::string> Seal(uint32_t kind, const std::string& plain) {
+    unsigned char nonce[12], aad[12];
+    NonceAndAad(kind, send_seq, nonce, aad);
+    std::string out(plain.size() + kTagBytes, '\0');
+    EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+    int len = 0, total = 0;
+    bool ok = ctx != nullptr &&
+              EVP_EncryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
+                                 reinterpret_cast<const unsigned char*>(send_key.data()), nonce) == 1 &&
+              EVP_EncryptUpdate(ctx, nullptr, &len, aad, sizeof(aad)) == 1 &&
+              EVP_EncryptUpdate(ctx, reinterpret_cast<unsigned char*>(out.data()), &len,
+                                reinterpret_cast<const unsigned char*>(plain.data()),
+                                static_cast<int>(plain.size())) == 1;
+    total = len;
+    ok = ok && EVP_EncryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(out.data()) + total, &len) == 1;
+    total += len;
+    ok = ok && EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, kTagBytes,
+                                   reinterpret_cast<unsigned char*>(out.data()) + total) == 1;
+    EVP_CIPHER_CTX_free(ctx);
+    if (!ok || static_cast<size_t>(total) != plain.size()) return std::nullopt;
+    ++send_seq;
+    return out;
+  }
+
+  // The plaintext, or nothing when the frame does not authenticate.
+  std::optional<std::string> Open(uint32_t kind, const std::string& sealed) {
+    if (sealed.size() < kTagBytes) return std::nullopt;
+    unsigned char nonce[12], aad[12];
+    NonceAndAad(kind, recv_seq, nonce, aad);
+    const size_t n = sealed.size() - kTagBytes;
+    std::string out(n, '\0');
+    std::string tag = sealed.substr(n);
+    EVP_CIPHER_CTX* ctx = EVP_CIPHER_CTX_new();
+    int len = 0;
+    bool ok = ctx != nullptr &&
+              EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), nullptr,
+                                 reinterpret_cast<const unsigned char*>(recv_key.data()), nonce) == 1 &&
+              EVP_DecryptUpdate(ctx, nullptr, &len, aad, sizeof(aad)) == 1 &&
+              EVP_DecryptUpdate(ctx, reinterpret_cast<unsigned char*>(out.data()), &len,
+                                reinterpret_cast<const unsigned char*>(sealed.data()),
+                                static_cast<int>(n)) == 1 &&
+              EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, kTagBytes, tag.data()) == 1 &&
+              EVP_DecryptFinal_ex(ctx, reinterpret_cast<unsigned char*>(out.data()) + len, &len) == 1;
+    EVP_CIPHER_CTX_free(ctx);
+    if (!ok) return std::nullopt;
+    ++recv_seq;
+    return out;
+  }
+};
+
+namespace {
 
 void PutU32(std::string& out, uint32_t v) {
   for (int i = 0; i < 4; ++i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
@@ -272,6 +358,7 @@ struct TcpBootstrap::Peer {
   std::string blob;
   std::string nonce;        // the challenge sent on accept (auth)
   absl::Time accepted_at;   // for the handshake timeout
+  std::unique_ptr<SealedLink> link;  // auth: blob/all/error frames sealed (set at the welcome)
   ~Peer() {
     if (fd >= 0) close(fd);
   }
@@ -409,10 +496,17 @@ absl::Status TcpBootstrap::Fail(absl::Status status) {
     std::string body;
     PutU32(body, static_cast<uint32_t>(status.code()));
     body += std::string(status.message());
-    std::string frame = Frame(FrameKind::kError, body);
+    const std::string plain_frame = Frame(FrameKind::kError, body);
     absl::Time notice_deadline = absl::Now() + kErrorNoticeTimeout;
     for (auto& peer : peers_) {
       if (peer == nullptr) continue;
+      std::string frame = plain_frame;
+      if (peer->link != nullptr) {
+        std::optional<std::string> sealed =
+            peer->link->Seal(static_cast<uint32_t>(FrameKind::kError), body);
+        if (!sealed.has_value()) continue;
+        frame = Frame(FrameKind::kError, *sealed);
+      }
       SendAll(peer->fd, frame, notice_deadline, "error notice").IgnoreError();
       // FIN after the notice; then read what the peer already sent, since
       // closing with unread input resets the connection and can discard
@@ -559,6 +653,7 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
           EXL3_LOG(kWarning) << what << ": connection from " << u.address << " dropped before its welcome";
           continue;
         }
+        u.link = std::make_unique<SealedLink>(auth_key_, u.nonce, peer_nonce, /*is_root=*/true);
         body = hello;
       } else if (body.size() != kHelloBytes) {
         EXL3_LOG(kWarning) << what << ": refused " << u.address
@@ -613,6 +708,15 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
             absl::InternalError(absl::StrCat(what, ": rank ", r, " sent an unexpected frame (kind ",
                                              static_cast<uint32_t>(kind), ")")));
       }
+      if (p.link != nullptr) {
+        std::optional<std::string> plain = p.link->Open(static_cast<uint32_t>(kind), body);
+        if (!plain.has_value()) {
+          return Fail(absl::UnauthenticatedError(absl::StrCat(
+              what, ": a frame from rank ", r, " (", p.address,
+              ") failed authentication (tampered with, or not from that rank)")));
+        }
+        body = std::move(*plain);
+      }
       p.blob = std::move(body);
       p.has_blob = true;
     }
@@ -630,10 +734,19 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::RootAllGather(const std::
     PutU64(body, all[r].size());
     body += all[r];
   }
-  std::string frame = Frame(FrameKind::kAll, body);
+  const std::string plain_frame = Frame(FrameKind::kAll, body);
   for (int r = 1; r < world_size_; ++r) {
-    absl::Status sent =
-        SendAll(peers_[r]->fd, frame, deadline, absl::StrCat(what, ": to rank ", r));
+    std::string sealed_frame;
+    if (peers_[r]->link != nullptr) {
+      std::optional<std::string> sealed =
+          peers_[r]->link->Seal(static_cast<uint32_t>(FrameKind::kAll), body);
+      if (!sealed.has_value()) {
+        return Fail(absl::InternalError(absl::StrCat(what, ": sealing the reply failed")));
+      }
+      sealed_frame = Frame(FrameKind::kAll, *sealed);
+    }
+    absl::Status sent = SendAll(peers_[r]->fd, peers_[r]->link != nullptr ? sealed_frame : plain_frame,
+                                deadline, absl::StrCat(what, ": to rank ", r));
     if (!sent.ok()) return Fail(sent);
   }
   return all;
@@ -698,6 +811,7 @@ absl::Status TcpBootstrap::PeerHandshake(absl::Time deadline, const std::string&
     return absl::UnauthenticatedError(absl::StrCat(
         what, ": ", root, " does not know the rank token (wrong welcome); refusing to join it"));
   }
+  root_link_ = std::make_unique<SealedLink>(auth_key_, challenge->second, nonce, /*is_root=*/false);
   return absl::OkStatus();
 }
 
@@ -711,8 +825,15 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::PeerAllGather(const std::
     if (!handshake.ok()) return Fail(handshake);
     handshaken_ = true;
   }
-  absl::Status sent =
-      SendAll(root_fd_, Frame(FrameKind::kBlob, blob), deadline, absl::StrCat(what, ": to ", root));
+  std::string frame;
+  if (root_link_ != nullptr) {
+    std::optional<std::string> sealed = root_link_->Seal(static_cast<uint32_t>(FrameKind::kBlob), blob);
+    if (!sealed.has_value()) return Fail(absl::InternalError(absl::StrCat(what, ": sealing failed")));
+    frame = Frame(FrameKind::kBlob, *sealed);
+  } else {
+    frame = Frame(FrameKind::kBlob, blob);
+  }
+  absl::Status sent = SendAll(root_fd_, frame, deadline, absl::StrCat(what, ": to ", root));
   if (!sent.ok()) return Fail(sent);
   FrameReader reader;
   while (true) {
@@ -735,6 +856,14 @@ absl::StatusOr<std::vector<std::string>> TcpBootstrap::PeerAllGather(const std::
     poll(&p, 1, timeout);
   }
   auto [kind, body] = reader.Take();
+  if (root_link_ != nullptr) {
+    std::optional<std::string> plain = root_link_->Open(static_cast<uint32_t>(kind), body);
+    if (!plain.has_value()) {
+      return Fail(absl::UnauthenticatedError(absl::StrCat(
+          what, ": a frame from ", root, " failed authentication (tampered with, or not from rank 0)")));
+    }
+    body = std::move(*plain);
+  }
   if (kind == FrameKind::kError && body.size() >= 4) {
     auto code = static_cast<absl::StatusCode>(GetU32(body.data()));
     return Fail(absl::Status(code, absl::StrCat(what, ": rank 0 failed: ", body.substr(4))));

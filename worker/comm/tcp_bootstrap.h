@@ -28,9 +28,15 @@
 // with a wrong one and keeps waiting for the real ranks; a connection that
 // has not sent a valid hello within handshake_timeout (a slow loris, a port
 // scanner) is closed the same way, and at most kMaxPendingConnections wait
-// at once. The bootstrap carries no encryption: with auth it is
-// authenticated, and its payloads are worker addresses, not secrets; the
-// collective data plane (shm, UCX, NCCL) itself stays on the trusted network
+// at once. With auth_key, every later frame (blob, all, error) is sealed
+// with AES-256-GCM under per-direction keys derived from the token and both
+// nonces (HMAC-SHA256(key, "exl3serve bootstrap key v1 peer->root" | N0 | Np)
+// and "... root->peer"), a per-direction sequence number as nonce and the
+// kind in the AAD: setup data (UCX addresses, NCCL ids) is encrypted and a
+// tampered, replayed or reordered frame fails the group (Unauthenticated).
+// Why not TLS: the ranks share a secret, not certificates, and the PSK
+// handshake above already authenticates both ends. The collective data
+// plane (shm, UCX, NCCL) itself stays on the trusted network
 // (deploy/README.md).
 // Rank 0 accepts connections lazily, inside AllGather, so Create() on rank 0
 // returns at once (and port() is known before any peer starts). A hello with
@@ -60,6 +66,8 @@
 #include "worker/comm/bootstrap.h"
 
 namespace exl3serve::worker::comm {
+
+struct SealedLink;  // tcp_bootstrap.cc: the AES-GCM state of one authenticated connection
 
 struct TcpBootstrapOptions {
   int rank = 0;
@@ -127,6 +135,7 @@ class TcpBootstrap final : public Bootstrap {
   const std::string auth_key_;
   const absl::Duration handshake_timeout_;
   bool handshaken_ = false;                          // ranks > 0: the welcome was checked
+  std::unique_ptr<SealedLink> root_link_;            // ranks > 0 with auth: sealed frames
   uint16_t port_ = 0;
   int listen_fd_ = -1;                               // rank 0
   int root_fd_ = -1;                                 // ranks > 0: the connection to rank 0
