@@ -284,7 +284,8 @@ absl::Status Converter::OpenSource() {
   }
   EXL3_ASSIGN_OR_RETURN(src_.config, ReadJsonFile(opt_.in_dir + "/config.json"));
   if (auto qc = src_.config.find("quantization_config");
-      qc != src_.config.end() && qc->is_object() && qc->value("quant_method", "") == "exl3") {
+      qc != src_.config.end() && qc->is_object() && qc->contains("quant_method") &&
+      (*qc)["quant_method"] == "exl3") {  // (value() would throw on a non-string)
     return absl::InvalidArgumentError(absl::StrCat(
         opt_.in_dir, " is already an EXL3 model; convert from the original weights"));
   }
@@ -537,7 +538,12 @@ absl::StatusOr<std::vector<ConvertedLinear>> Converter::LoadGroupReport(
   }
   EXL3_ASSIGN_OR_RETURN(nlohmann::json j, ParseJson(it->second, GroupFile(group)));
   std::vector<ConvertedLinear> out;
-  for (const auto& entry : j) out.push_back(ReportFromJson(entry));
+  try {  // a field of the wrong type (a damaged file) throws in json::value
+    for (const auto& entry : j) out.push_back(ReportFromJson(entry));
+  } catch (const nlohmann::json::exception& e) {
+    return absl::DataLossError(absl::StrCat(GroupFile(group), ": malformed conversion report: ",
+                                            e.what()));
+  }
   if (out.size() != group.linears.size()) {
     return absl::DataLossError(absl::StrCat(GroupFile(group), ": report lists ", out.size(),
                                             " linears, expected ", group.linears.size()));

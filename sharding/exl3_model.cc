@@ -1,6 +1,7 @@
 #include "sharding/exl3_model.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <set>
 #include <utility>
@@ -132,13 +133,24 @@ absl::StatusOr<std::unique_ptr<Exl3Model>> Exl3Model::Open(const std::string& di
   if (auto qc = config.find("quantization_config"); qc != config.end() && qc->is_object()) {
     QuantizationConfigSummary& s = model->quant_config_;
     s.present = true;
-    s.quant_method = qc->value("quant_method", std::string());
-    s.version = qc->value("version", std::string());
-    if (auto b = qc->find("bits"); b != qc->end() && b->is_number()) s.bits = b->get<double>();
-    if (auto h = qc->find("head_bits"); h != qc->end() && h->is_number()) {
-      s.head_bits = static_cast<int>(h->get<double>());
+    // Advisory (§2.2): a field of another type is ignored, never trusted.
+    // (json::value() throws on a type mismatch: a quant_method of 3 crashed
+    // Open — found by tests/fuzz/model_folder_fuzz.cc.)
+    auto text = [&](const char* key) {
+      auto it = qc->find(key);
+      return it != qc->end() && it->is_string() ? it->get<std::string>() : std::string();
+    };
+    s.quant_method = text("quant_method");
+    s.version = text("version");
+    s.codebook = text("codebook");
+    if (auto b = qc->find("bits"); b != qc->end() && b->is_number()) {
+      const double bits = b->get<double>();
+      if (std::isfinite(bits) && bits >= 0.0 && bits <= 32.0) s.bits = bits;
     }
-    s.codebook = qc->value("codebook", std::string());
+    if (auto h = qc->find("head_bits"); h != qc->end() && h->is_number()) {
+      const double head = h->get<double>();
+      if (std::isfinite(head) && head >= 0.0 && head <= 32.0) s.head_bits = static_cast<int>(head);
+    }
   }
   EXL3_ASSIGN_OR_RETURN(model->checkpoint_, SafetensorsCheckpoint::Open(dir));
   EXL3_RETURN_IF_ERROR(model->Describe());

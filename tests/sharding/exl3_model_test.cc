@@ -69,6 +69,26 @@ TEST(Exl3ModelTest, RecognisesLinearKCodebookAndBias) {
   EXPECT_EQ(data->svh[0], -1.0f);
 }
 
+// Found by the model-folder fuzzer (30-minute run): a quantization_config
+// with a field of the wrong type ("quant_method": 3) threw out of Open (an
+// abort). The advisory block is read leniently: wrong types are ignored.
+TEST(Exl3ModelTest, AQuantizationConfigOfWrongTypesIsIgnoredNotACrash) {
+  ScratchDir dir;
+  WriteModel(dir.path(), ValidLinear("a.proj", 128, 128, 2),
+             {{"architectures", {"TestOnly"}},
+              {"quantization_config",
+               {{"quant_method", 3}, {"version", {1, 2}}, {"codebook", nullptr},
+                {"bits", 1e300}, {"head_bits", -1e300}}}});
+  auto model = Exl3Model::Open(dir.path());
+  ASSERT_TRUE(model.ok()) << model.status();
+  const QuantizationConfigSummary& q = (*model)->quantization_config();
+  EXPECT_TRUE(q.present);
+  EXPECT_EQ(q.quant_method, "");
+  EXPECT_EQ(q.codebook, "");
+  EXPECT_EQ(q.bits, 0.0);
+  EXPECT_EQ(q.head_bits, 0);
+}
+
 TEST(Exl3ModelTest, NoMarkerMeans3InstAndMcgMarkerMeansMcg) {
   ScratchDir a, b;
   auto t = ValidLinear("x", 128, 128, 2);

@@ -318,5 +318,23 @@ TEST(TokenizerLoadTest, RefusesTokenIdsAtOrAboveTheLimit) {
   EXPECT_TRUE(Tokenizer::FromJson(j.dump(), "", "dir").ok());
 }
 
+// Found by the tokenizer fuzzer (second 30-minute run): a Strip decoder with
+// stop 1 removed a trailing space from every streamed window, so the stream
+// lost the spaces Decode kept. Such a decoder (none is published) is refused.
+TEST(TokenizerLoadTest, RefusesAStripDecoderThatStripsTheEnd) {
+  json j = SentencePieceJson();
+  bool found = false;
+  for (json& d : j["decoder"]["decoders"]) {
+    if (d["type"] == "Strip") {
+      d["stop"] = 1;
+      found = true;
+    }
+  }
+  ASSERT_TRUE(found) << "the test tokenizer has a Strip decoder";
+  absl::Status s = LoadError(j);
+  EXPECT_EQ(s.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(s.message(), HasSubstr("stop"));
+}
+
 }  // namespace
 }  // namespace exl3serve::coordinator
