@@ -1019,6 +1019,17 @@ absl::Status RemoteRankGroup::Forward(std::span<const worker::SequenceTokens> ba
   }
   std::vector<float> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), &received));
+  // Rank 0's logits are rows x vocab: anything else is a broken rank, not
+  // logits to index (found writing tests/fuzz/rank_endpoint_fuzz.cc).
+  size_t want = 0;
+  for (const worker::SequenceTokens& entry : batch) {
+    want += rows == worker::LogitsRows::kAllTokens ? entry.tokens.size() : 1;
+  }
+  want *= static_cast<size_t>(std::max<int64_t>(vocab_size(), 0));
+  if (received.size() != want) {
+    return absl::DataLossError(absl::StrCat("rank 0 returned ", received.size(), " logits; the batch needs ",
+                                            want, " (rows x vocab ", vocab_size(), ")"));
+  }
   if (logits != nullptr) *logits = std::move(received);
   return absl::OkStatus();
 }

@@ -2,7 +2,7 @@
 # tests/fuzz/run.sh [TARGET] [SECONDS] — build a fuzzer with clang (libFuzzer
 # + ASan + UBSan) straight from the sources and run it. TARGET:
 # safetensors_header (default, below), or openai_request, chat_template,
-# tokenizer, model_config, cluster_config, model_folder, rank_protocol
+# tokenizer, model_config, cluster_config, model_folder, rank_protocol, rank_endpoint
 # (tests/fuzz/run_target.sh).
 #
 # Build and corpus live in $EXL3_BUILD_DIR/fuzz (default /tmp/exl3serve-fuzz);

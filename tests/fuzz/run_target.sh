@@ -8,6 +8,7 @@
 #   model_config     config.json + generation_config.json
 #   model_folder     an EXL3 model folder: config.json + model.safetensors
 #   rank_protocol    Step messages to a loaded rank (needs a build: protobuf code, the binary for the model)
+#   rank_endpoint    RankMessages from a fake rank to the coordinator's RemoteRankGroup over gRPC
 #   cluster_config   the cluster YAML (coordinator --config, launch)  (needs a build's generated protobuf code)
 # Output in $EXL3_BUILD_DIR/fuzz-TARGET (default ./build): corpus/ (grows
 # across runs), seeds/, artifacts/ (reproducers). Non-zero exit on a finding.
@@ -89,8 +90,9 @@ PY
       fi
       rm -rf "$tmp"
     fi
-    seed tiny_bpe "$(printf '%s\0%s\0%s' '{"model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":["a b"]},"added_tokens":[{"id":3,"content":"<s>","special":true}]}' '{"bos_token":"<s>"}' 'abab<s>ba')"
-    seed bytelevel "$(printf '%s\0\0%s' '{"model":{"type":"BPE","vocab":{"a":0,"Ġ":1},"merges":[]},"pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false},"decoder":{"type":"ByteLevel"}}' 'a a')"
+    # (printf straight to the file: a command substitution would drop the NULs)
+    printf '%s\0%s\0%s' '{"model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":["a b"]},"added_tokens":[{"id":3,"content":"<s>","special":true}]}' '{"bos_token":"<s>"}' 'abab<s>ba' >"$out/seeds/tiny_bpe"
+    printf '%s\0\0%s' '{"model":{"type":"BPE","vocab":{"a":0,"Ġ":1},"merges":[]},"pre_tokenizer":{"type":"ByteLevel","add_prefix_space":false},"decoder":{"type":"ByteLevel"}}' 'a a' >"$out/seeds/bytelevel"
     ;;
   model_config)
     sources=("$src/worker/model/model_config.cc" "$src/sharding/model_arch.cc")
@@ -170,6 +172,24 @@ PY
     printf '\x10\x00\x00\xc8\x01\x11\x00\x02\x01\x00\x05\x01\x02\x03\x04\x05\x02\x00\x01\x01' >"$out/seeds/add_forward"
     head -c 2048 /dev/urandom >"$out/seeds/random" 2>/dev/null || true
     ;;
+  rank_endpoint)
+    gen=$build/proto/gen
+    [[ -f $gen/exl3serve/rank/v1/rank.grpc.pb.cc ]] ||
+      { echo "run_target.sh: no generated protobuf code in $gen (build first)" >&2; exit 2; }
+    sources=("$src/coordinator/rank_group.cc" "$src/coordinator/listen_policy.cc"
+             "$src/worker/rank/capacities.cc" "$src"/worker/api/*.cc
+             "$src/common/status_macros.cc" "$src/common/logging.cc"
+             "$gen/exl3serve/rank/v1/rank.pb.cc" "$gen/exl3serve/rank/v1/rank.grpc.pb.cc"
+             "$gen/exl3serve/v1/generation.pb.cc")
+    extra_flags=(-I"$gen")
+    pkgs=(grpc++ protobuf absl_status absl_statusor absl_strings absl_str_format absl_synchronization absl_time)
+    link_objects=1
+    max_len=2048
+    timeout=30
+    # gRPC keeps per-process state the leak checker reports at exit.
+    export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=0}
+    printf '\x0c\x00\x00\x00\x00\x00\x00\x00\x01\x00\x00\x00\x00' >"$out/seeds/register_ready"
+    ;;
   cluster_config)
     gen=$build/proto/gen
     [[ -f $gen/exl3serve/v1/generation.pb.h ]] ||
@@ -196,7 +216,7 @@ PY
     seed aliases.yaml "$(printf '%s\n' 'a: &a [1, 1]' 'b: &b [*a, *a]' 'model_dir: m' 'world_size: 2' 'capacities: *a')"
     ;;
   *)
-    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, cluster_config)" >&2
+    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, rank_endpoint, cluster_config)" >&2
     exit 2
     ;;
 esac
