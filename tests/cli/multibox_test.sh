@@ -136,13 +136,13 @@ boxes:
 YAML
 export UCX_TLS=tcp
 # Strangers on the rank bootstrap, from a third box of the same network: a
-# slow loris that connects and never speaks, garbage, and a hello without the
-# token proof. Box b cannot reach box a until they are connected (an
+# slow loris that connects and never speaks, garbage, a hello without the
+# token proof and one with a guessed token. Box b cannot reach box a until they are connected (an
 # unreachable route; rank 1 retries), so they are there before the real rank
 # whatever the timing; then the route goes and the group must still form.
 ip -n "$NSB" route add unreachable "$ADDR_A/32" || fail "cannot hold box b back"
 ip netns exec "$NSC" python3 - "$ADDR_A" 50071 >"$WORK/stranger.log" 2>&1 <<'PY' &
-import socket, struct, sys, time
+import hashlib, hmac, socket, struct, sys, time
 host, port = sys.argv[1], int(sys.argv[2])
 deadline = time.monotonic() + 120
 def connect():
@@ -157,8 +157,19 @@ garbage = connect()
 garbage.sendall(b"GET / HTTP/1.1\r\n\r\n")
 plain = connect()
 plain.sendall(struct.pack("<IIQ", 0x31425845, 1, 16) + struct.pack("<IIQ", 1, 2, 0))
+# A guessed token: answer rank 0's challenge (frame header + 32-byte nonce)
+# with a hello whose MAC uses the wrong key.
+guess = connect()
+challenge = b""
+while len(challenge) < 48:
+    challenge += guess.recv(48 - len(challenge))
+hello = struct.pack("<IIQ", 1, 2, 0)
+nonce = bytes(32)
+mac = hmac.new(b"a-guessed-token", b"exl3serve bootstrap hello v1" + challenge[16:] + hello + nonce,
+               hashlib.sha256).digest()
+guess.sendall(struct.pack("<IIQ", 0x31425845, 1, 80) + hello + nonce + mac)
 print("strangers connected", flush=True)
-for name, s in (("loris", loris), ("garbage", garbage), ("plain hello", plain)):
+for name, s in (("loris", loris), ("garbage", garbage), ("plain hello", plain), ("guessed token", guess)):
     s.settimeout(60)
     try:
         while s.recv(4096):
@@ -183,11 +194,12 @@ timeout 120 grep -q -m1 "strangers connected" <(tail -F "$WORK/stranger.log" 2>/
 ip -n "$NSB" route del unreachable "$ADDR_A/32" || fail "cannot release box b"
 C --health --wait-ready-ms 120000 >/dev/null || fail "not ready in 120 s"
 wait "$STRANGER"
-[ "$(grep -c "closed by rank 0" "$WORK/stranger.log")" = 3 ] ||
+[ "$(grep -c "closed by rank 0" "$WORK/stranger.log")" = 4 ] ||
   fail "rank 0 left a stranger connected: $(cat "$WORK/stranger.log")"
 refusals=$(grep "tcp bootstrap" "$WORK"/a.log | grep -c "$ADDR_C:")
-[ "$refusals" -ge 3 ] || fail "rank 0 logged $refusals refusals naming $ADDR_C: $(grep -i bootstrap "$WORK"/a.log)"
-echo "three strangers on the bootstrap port were refused ($refusals log lines name $ADDR_C); the group formed"
+[ "$refusals" -ge 4 ] || fail "rank 0 logged $refusals refusals naming $ADDR_C: $(grep -i bootstrap "$WORK"/a.log)"
+grep -q "refused $ADDR_C:[0-9]*: wrong rank token" "$WORK"/a.log || fail "no 'wrong rank token' refusal logged"
+echo "four strangers on the bootstrap port were refused ($refusals log lines name $ADDR_C); the group formed"
 # The UCX bootstrap across the boxes is authenticated with the rank token
 # (and its frames sealed: tests/comm/tcp_bootstrap_test.cc).
 grep -q "tcp bootstrap: rank 1 joined from $ADDR_B:[0-9]* (rank token verified)" "$WORK"/a.log ||

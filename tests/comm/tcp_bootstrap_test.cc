@@ -325,14 +325,16 @@ class Relay {
     thread_ = std::thread([this] { Run(); });
   }
   ~Relay() {
-    thread_.join();
+    Join();
     close(listen_fd_);
   }
   uint16_t port() const { return port_; }
-  // Valid after the relayed connection ended (the destructor joined).
+  // Waits for the relayed connection to end; up()/down() are valid after it.
+  void Join() {
+    if (thread_.joinable()) thread_.join();
+  }
   const std::string& up() const { return up_; }
   const std::string& down() const { return down_; }
-  void Join() { thread_.join(); thread_ = std::thread([] {}); }
 
  private:
   void Run() {
