@@ -13,6 +13,7 @@
 #include "absl/time/clock.h"
 #include "coordinator/http/reasoning_parser.h"
 #include "coordinator/tokenizer/tokenizer.h"
+#include "coordinator/tokenizer/unicode_text.h"
 #include "nlohmann/json.hpp"
 
 namespace exl3serve::coordinator::http {
@@ -60,22 +61,7 @@ std::string ForcedToolCallPrefix(ToolCallFormat format, const std::string& named
 // `bytes` as logprobs' `token`: the text when it is valid UTF-8, else
 // vLLM's "bytes:\xNN..." form.
 std::string TokenString(const std::string& bytes) {
-  // Validity check of UTF-8 (no overlongs or surrogates needed for display).
-  size_t i = 0;
-  bool valid = true;
-  while (i < bytes.size() && valid) {
-    const unsigned char c = static_cast<unsigned char>(bytes[i]);
-    const size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (len == 0 || i + len > bytes.size()) {
-      valid = false;
-      break;
-    }
-    for (size_t k = 1; k < len; ++k) {
-      if ((static_cast<unsigned char>(bytes[i + k]) >> 6) != 2) valid = false;
-    }
-    i += len;
-  }
-  if (valid) return bytes;
+  if (internal::IsValidUtf8(bytes)) return bytes;
   std::string out = "bytes:";
   for (unsigned char c : bytes) absl::StrAppendFormat(&out, "\\x%02x", c);
   return out;

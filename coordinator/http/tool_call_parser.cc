@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "coordinator/tokenizer/unicode_text.h"
 
 namespace exl3serve::coordinator::http {
 namespace {
@@ -53,24 +54,6 @@ int HexValue(char c) {
   return -1;
 }
 
-void AppendUtf8(uint32_t cp, std::string* out) {
-  if (cp < 0x80) {
-    out->push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out->push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out->push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out->push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out->push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
-
 // Decodes the body of a JSON string (the text between the quotes). False on a
 // malformed escape.
 bool DecodeJsonString(std::string_view body, std::string* out) {
@@ -116,7 +99,7 @@ bool DecodeJsonString(std::string_view body, std::string* out) {
         } else if (cp >= 0xDC00 && cp < 0xE000) {
           return false;
         }
-        AppendUtf8(cp, out);
+        internal::AppendUtf8(static_cast<char32_t>(cp), out);
         break;
       }
       default:
