@@ -5,15 +5,6 @@
 # exception, hang or sanitizer report. $1 locates the build.
 # Longer runs: tests/fuzz/run.sh TARGET 1800 (docs/RELIABILITY.md).
 set -euo pipefail
-src=${EXL3_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
-if ! command -v "${CLANGXX:-clang++}" >/dev/null; then
-  echo "SKIP: clang++ not installed, the parser fuzzers not run"
-  exit 77
-fi
 export EXL3_BUILD_DIR=${EXL3_BUILD_DIR:-$(dirname "$(dirname "$1")")}
-for target in model_folder cluster_config; do
-  bash "$src/tests/fuzz/run.sh" "$target" 15 >"$EXL3_BUILD_DIR/fuzz-$target.log" 2>&1 ||
-    { tail -40 "$EXL3_BUILD_DIR/fuzz-$target.log"; echo "FAIL: $target fuzzer"; exit 1; }
-  grep -E "^Done [0-9]+ runs" "$EXL3_BUILD_DIR/fuzz-$target.log" | sed "s/^/$target: /"
-done
-echo PASS
+source "$(dirname "${BASH_SOURCE[0]}")/lib/fuzz_smoke.sh"
+fuzz_smoke 15 model_folder cluster_config
