@@ -8,6 +8,15 @@
 // step counters, taken before and after; "n/a" when the engine does not
 // count steps).
 //
+// Multi-turn chats (--turns T > 0; the prefix cache's benchmark): C
+// conversations in flight, each a client thread running its T turns one
+// after another; a conversation shares one system prompt of --system-len
+// tokens with every other, and turn t sends the system prompt + the whole
+// history (earlier user messages and the answers the server gave) + a new
+// user message of --prompt-len tokens, asking for --gen-len tokens. The
+// table gives per turn: TTFT p50/p99, prompt tokens, and of those the ones
+// the server took from its prefix cache (cached_tokens) and computed.
+//
 // Inter-token latency: the gap between two chunks of a stream, divided
 // evenly among the chunk's tokens (a server may merge tokens into one chunk
 // for a slow reader).
@@ -45,6 +54,9 @@ struct StreamResult {
   uint32_t tokens = 0;
   double ttft_s = 0;
   std::vector<double> itl_s;
+  std::vector<uint32_t> output_ids;  // GenerateComplete's
+  uint32_t prompt_tokens = 0;
+  uint32_t cached_tokens = 0;
 };
 
 // The q-quantile (0..1) of `v` (nearest rank); 0 for an empty vector.
@@ -79,6 +91,12 @@ StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& re
   auto reader = stub.Generate(&context, request);
   v1::GenerateResponse response;
   while (reader->Read(&response)) {
+    if (response.has_complete()) {
+      const v1::GenerateComplete& c = response.complete();
+      result.output_ids.assign(c.output_ids().begin(), c.output_ids().end());
+      result.prompt_tokens = c.prompt_tokens();
+      result.cached_tokens = c.cached_tokens();
+    }
     if (!response.has_chunk() || response.chunk().token_ids_size() == 0) continue;
     const absl::Time now = absl::Now();
     const int n = response.chunk().token_ids_size();
@@ -96,6 +114,108 @@ StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& re
   return result;
 }
 
+struct ChatOptions {
+  int conversations = 1;
+  int turns = 0;
+  int system_len = 0;
+  int user_len = 0;
+  int answer_len = 0;
+  int64_t vocab = 0;
+  uint64_t seed = 1;
+  absl::Duration timeout;
+};
+
+// The multi-turn chat load (see the top of the file); prints its table.
+absl::Status RunChatBench(v1::Generation::Stub& stub, const ChatOptions& o,
+                          const ClientCredentialOptions& credentials) {
+  std::mt19937_64 rng(o.seed);
+  std::uniform_int_distribution<int64_t> token(0, o.vocab - 1);
+  std::vector<uint32_t> system;
+  for (int i = 0; i < o.system_len; ++i) system.push_back(static_cast<uint32_t>(token(rng)));
+  // Every user message, made up front so the clients only measure.
+  std::vector<std::vector<std::vector<uint32_t>>> user(o.conversations);
+  for (auto& conv : user) {
+    conv.resize(o.turns);
+    for (auto& msg : conv) {
+      for (int i = 0; i < o.user_len; ++i) msg.push_back(static_cast<uint32_t>(token(rng)));
+    }
+  }
+  std::vector<std::vector<StreamResult>> results(o.conversations,
+                                                 std::vector<StreamResult>(o.turns));
+  EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse before, ServerInfo(stub, credentials));
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.conversations; ++c) {
+    clients.emplace_back([&, c] {
+      std::vector<uint32_t> history = system;
+      for (int t = 0; t < o.turns; ++t) {
+        v1::GenerateRequest req;
+        req.set_request_id(absl::StrCat("chat-", o.seed, "-", c, "-", t));
+        history.insert(history.end(), user[c][t].begin(), user[c][t].end());
+        for (uint32_t id : history) req.mutable_tokenized()->add_input_ids(id);
+        req.mutable_sampling_params()->set_max_tokens(o.answer_len);
+        req.mutable_sampling_params()->set_ignore_eos(true);
+        req.mutable_sampling_params()->set_temperature(0.0f);
+        results[c][t] = RunStream(stub, req, o.timeout, credentials);
+        if (!results[c][t].status.ok()) return;
+        history.insert(history.end(), results[c][t].output_ids.begin(),
+                       results[c][t].output_ids.end());
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  const double wall_s = absl::ToDoubleSeconds(absl::Now() - start);
+  EXL3_ASSIGN_OR_RETURN(v1::GetServerInfoResponse after, ServerInfo(stub, credentials));
+  std::printf(
+      "bench-serve chat: %d conversations, %d turns, system %d + user %d tokens per turn, "
+      "answers %d tokens; prefix cache %s\n",
+      o.conversations, o.turns, o.system_len, o.user_len, o.answer_len,
+      after.prefix_cache_enabled() ? "on" : "off");
+  std::printf("  %-5s %10s %10s %12s %12s %12s\n", "turn", "TTFT p50", "TTFT p99",
+              "prompt tok", "cached tok", "computed tok");
+  std::string first_error;
+  int ok = 0, total = 0;
+  uint64_t tokens = 0;
+  for (int t = 0; t < o.turns; ++t) {
+    std::vector<double> ttft;
+    double prompt = 0, cached = 0;
+    int n = 0;
+    for (int c = 0; c < o.conversations; ++c) {
+      const StreamResult& r = results[c][t];
+      ++total;
+      if (!r.status.ok()) {
+        if (first_error.empty() && r.status.error_code() != grpc::StatusCode::OK) {
+          first_error = r.status.error_message();
+        }
+        continue;
+      }
+      ++ok;
+      ++n;
+      tokens += r.tokens;
+      ttft.push_back(r.ttft_s);
+      prompt += r.prompt_tokens;
+      cached += r.cached_tokens;
+    }
+    if (n == 0) continue;
+    std::printf("  %-5d %8.1f ms %8.1f ms %12.0f %12.0f %12.0f\n", t + 1,
+                1e3 * Quantile(ttft, 0.5), 1e3 * Quantile(ttft, 0.99), prompt / n, cached / n,
+                (prompt - cached) / n);
+  }
+  std::printf("  %-28s %d / %d%s%s\n", "requests ok", ok, total,
+              first_error.empty() ? "" : "  first error: ", first_error.c_str());
+  std::printf("  %-28s %.2f s, %.1f output tokens/s\n", "wall time", wall_s,
+              wall_s > 0 ? tokens / wall_s : 0.0);
+  const uint64_t queried = after.prefix_cache_queries_tokens() - before.prefix_cache_queries_tokens();
+  const uint64_t hits = after.prefix_cache_hits_tokens() - before.prefix_cache_hits_tokens();
+  std::printf("  %-28s %llu of %llu prompt tokens (%.1f %%), %llu blocks evicted\n",
+              "prefix cache hits", static_cast<unsigned long long>(hits),
+              static_cast<unsigned long long>(queried), queried > 0 ? 100.0 * hits / queried : 0.0,
+              static_cast<unsigned long long>(after.prefix_cache_evicted_blocks() -
+                                              before.prefix_cache_evicted_blocks()));
+  if (ok == 0) return absl::UnavailableError(absl::StrCat("every stream failed: ", first_error));
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 CommandRunner RegisterBenchServeCommand(CLI::App& app) {
@@ -111,6 +231,8 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     float top_p = 1.0f;
     int top_k = 0;
     int64_t timeout_s = 600;
+    int turns = 0;
+    int system_len = 1024;
     ClientCredentialOptions credentials;
   };
   auto args = std::make_shared<Args>();
@@ -130,6 +252,12 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
   app.add_option("--top-p", args->top_p, "nucleus sampling mass")->capture_default_str();
   app.add_option("--top-k", args->top_k, "top-k sampling (0 = off)")->capture_default_str();
   app.add_option("--timeout-s", args->timeout_s, "deadline of each stream")->capture_default_str();
+  app.add_option("--turns", args->turns,
+                 "> 0: multi-turn chats (--concurrency conversations, --prompt-len user tokens and "
+                 "--gen-len answer tokens per turn, greedy), a TTFT / cached-tokens table per turn")
+      ->capture_default_str();
+  app.add_option("--system-len", args->system_len, "chats: tokens of the shared system prompt")
+      ->capture_default_str();
   return [args]() -> absl::Status {
     const int requests = args->requests > 0 ? args->requests : 4 * args->concurrency;
     EXL3_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
@@ -148,6 +276,18 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
       }
       vocab = model.vocab_size();
       if (vocab <= 0) return absl::FailedPreconditionError("the server reports vocab_size 0; pass --vocab");
+    }
+    if (args->turns > 0) {
+      return RunChatBench(*stub,
+                          ChatOptions{.conversations = args->concurrency,
+                                      .turns = args->turns,
+                                      .system_len = args->system_len,
+                                      .user_len = args->prompt_len,
+                                      .answer_len = args->gen_len,
+                                      .vocab = vocab,
+                                      .seed = args->seed,
+                                      .timeout = absl::Seconds(args->timeout_s)},
+                          args->credentials);
     }
     // The prompts, made up front so the clients only measure.
     std::mt19937_64 rng(args->seed);

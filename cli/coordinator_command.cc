@@ -59,12 +59,16 @@
 //          nccl: {net: IB, ib_hca: "mlx5_0:1", ib_gid_index: 3, socket_ifname: eth0}}
 //                                      # GPU ranks; `launch` passes them as worker
 //                                      # --nccl-* flags (boxes[].nccl overrides per box)
-//   kv: {bits: 16, num_pages: 256, page_size_tokens: 16}
+//   kv: {bits: 16, num_pages: 256, page_size_tokens: 16,
+//        disk: {path: /var/cache/exl3serve/kv-{rank}.bin, blocks: 0}}
+//                                      # the prefix cache's disk tier on every rank's
+//                                      # machine (0 blocks = none)
 //   precision: {prefill: fp32, decode: int8}   # EXL3 linears on every rank: prefill
 //                                      # fp32|bf16, decode fp32|int8 (int8: mul1 linears;
 //                                      # a rank's own worker --*-precision flag wins)
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
-//            default_max_tokens: 256, max_context: 0}
+//            default_max_tokens: 256, max_context: 0,
+//            prefix_cache: true}          # reuse cached prompt prefixes' KV blocks
 //   timeouts: {join_ms: 60000, collective_ms: 60000, load_ms: 300000, step_ms: 60000,
 //              heartbeat_interval_ms: 1000, heartbeat_ms: 5000, reform_ms: 60000}
 #include <signal.h>
@@ -153,6 +157,9 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--metrics-host", *metrics_host, "address of the /metrics endpoint")
       ->capture_default_str();
+  auto no_prefix_cache = std::make_shared<bool>(false);
+  app.add_flag("--no-prefix-cache", *no_prefix_cache,
+               "compute every prompt token (overrides engine.prefix_cache)");
   auto http_port = std::make_shared<int>(-1);
   app.add_option("--http-port", *http_port,
                  "the OpenAI HTTP API on http_address's host at this port (overrides the config's "
@@ -161,12 +168,14 @@ CommandRunner RegisterCoordinatorCommand(CLI::App& app) {
       "Serves exl3serve.v1.Generation + grpc.health.v1 on api_address (SERVING while every rank\n"
       "is loaded); ranks join with `exl3serve worker --coordinator HOST:PORT --rank R --reconnect`.\n"
       "Example config: deploy/cluster/local-2-ranks.yaml");
-  return [config, port_file, metrics_port, metrics_host, http_port]() -> absl::Status {
+  return [config, port_file, metrics_port, metrics_host, http_port,
+          no_prefix_cache]() -> absl::Status {
     return RunCoordinator(CoordinatorRunOptions{.config = *config,
                                                 .port_file = *port_file,
                                                 .metrics_port = *metrics_port,
                                                 .metrics_host = *metrics_host,
-                                                .http_port = *http_port});
+                                                .http_port = *http_port,
+                                                .no_prefix_cache = *no_prefix_cache});
   };
 }
 
@@ -181,6 +190,7 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
   const std::string* metrics_host = &options.metrics_host;
   {
     EXL3_ASSIGN_OR_RETURN(CoordinatorConfig cfg, LoadCoordinatorConfig(*config));
+    if (options.no_prefix_cache) cfg.engine.enable_prefix_caching = false;
     StopSignal stop;  // before any thread starts, so they inherit the mask
     EXL3_ASSIGN_OR_RETURN(coordinator::EngineModel model, coordinator::LoadEngineModel(&cfg.engine));
     // grpc.health.v1 follows the group at once (a lost rank -> NOT_SERVING

@@ -141,7 +141,17 @@ absl::StatusOr<CoordinatorConfig> ReadCoordinatorConfigOrThrow(const YAML::Node&
     }
   }
   if (const YAML::Node kv = root["kv"]; kv.IsDefined()) {
-    EXL3_RETURN_IF_ERROR(CheckKeys(kv, "kv", {"bits", "num_pages", "page_size_tokens"}));
+    EXL3_RETURN_IF_ERROR(
+        CheckKeys(kv, "kv", {"bits", "num_pages", "page_size_tokens", "disk"}));
+    if (const YAML::Node disk = kv["disk"]; disk.IsDefined()) {
+      EXL3_RETURN_IF_ERROR(CheckKeys(disk, "kv.disk", {"path", "blocks"}));
+      EXL3_RETURN_IF_ERROR(Read(disk, "kv.disk", "path", &o.kv_disk_path));
+      EXL3_RETURN_IF_ERROR(Read(disk, "kv.disk", "blocks", &o.kv_disk_slots));
+      if (o.kv_disk_slots < 0 || (o.kv_disk_slots > 0 && o.kv_disk_path.empty())) {
+        return absl::InvalidArgumentError(
+            "config key `kv.disk` needs `path` and `blocks` >= 0 (0 = no disk tier)");
+      }
+    }
     int bits = 16;
     EXL3_RETURN_IF_ERROR(Read(kv, "kv", "bits", &bits));
     absl::StatusOr<worker::KvCacheDtype> dtype = worker::KvCacheDtypeFromBits(bits);
@@ -203,12 +213,15 @@ absl::StatusOr<CoordinatorConfig> ReadCoordinatorConfigOrThrow(const YAML::Node&
   e.expert_parallel = o.expert_parallel;
   e.threads_per_rank = o.threads_per_rank;
   e.kv = o.kv;
+  e.kv_disk_path = o.kv_disk_path;
+  e.kv_disk_blocks = o.kv_disk_slots;
   e.rank_step_timeout = o.step_timeout;
   e.reform_timeout = o.reform_timeout;
   if (const YAML::Node en = root["engine"]; en.IsDefined()) {
     EXL3_RETURN_IF_ERROR(CheckKeys(en, "engine",
                                    {"max_running", "max_queue", "step_token_budget",
-                                    "default_max_tokens", "max_context"}));
+                                    "default_max_tokens", "max_context", "prefix_cache"}));
+    EXL3_RETURN_IF_ERROR(Read(en, "engine", "prefix_cache", &e.enable_prefix_caching));
     struct Field {
       const char* key;
       int64_t* value;

@@ -15,6 +15,7 @@ struct CoordinatorRunOptions {
   int metrics_port = 0;   // coordinator /metrics (0 = off)
   std::string metrics_host = "127.0.0.1";
   int http_port = -1;     // >= 0: the HTTP API on this port (0 = any), over the config's
+  bool no_prefix_cache = false;  // over the config's engine.prefix_cache
 };
 
 // Runs until SIGINT/SIGTERM (blocks both in the calling thread; threads the

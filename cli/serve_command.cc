@@ -121,6 +121,12 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_option("--kv-pages", args->engine.kv.num_pages,
                  "KV cache pages of 16 positions on every rank (the pool all sequences share)")
       ->capture_default_str();
+  app.add_option("--kv-disk-path", args->engine.kv_disk_path,
+                 "the prefix cache's disk tier: one file per rank at this path ({rank} = the "
+                 "rank), holding --kv-disk-blocks evicted KV blocks");
+  app.add_option("--kv-disk-blocks", args->engine.kv_disk_blocks,
+                 "KV blocks each rank's disk tier holds (0 = no disk tier)")
+      ->capture_default_str();
   app.add_option("--max-context", args->engine.max_context,
                  "positions one sequence may hold, prompt + max_tokens (0 = the pool's, capped by "
                  "max_position_embeddings)")
@@ -133,6 +139,9 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--max-running", args->engine.max_running, "sequences decoded together at most")
       ->capture_default_str();
+  app.add_flag("--no-prefix-cache{false}", args->engine.enable_prefix_caching,
+               "compute every prompt token (default: reuse the KV blocks of cached prompt "
+               "prefixes)");
   app.add_option("--max-queue", args->engine.max_queue,
                  "requests waiting at most (beyond: RESOURCE_EXHAUSTED)")
       ->capture_default_str();

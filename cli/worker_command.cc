@@ -146,6 +146,11 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
   app.add_flag("--kv-assigned", o.kv.caller_assigns_pages,
                "control-fd mode: the driver assigns every KV page (a coordinator's block "
                "tables); the rank never allocates one itself");
+  app.add_option("--kv-disk-path", o.kv_disk_path,
+                 "control-fd mode: the prefix cache's disk tier file ({rank} = the rank)");
+  app.add_option("--kv-disk-blocks", o.kv_disk_slots,
+                 "control-fd mode: KV blocks the disk tier holds (0 = none)")
+      ->capture_default_str();
   app.add_option("--collective-timeout-ms", args->collective_timeout_ms)->capture_default_str();
   app.add_option("--join-timeout-ms", args->join_timeout_ms)->capture_default_str();
   app.add_option("--metrics-port", args->metrics_port,

@@ -34,6 +34,38 @@ absl::Status CheckKvLayout(const worker::KvCacheOptions& kv, const worker::StepE
       kv.num_pages, " pages of ", kv.page_size_tokens, " (use the same kv settings on both)"));
 }
 
+// The root of the prefix cache's block hashes: everything besides the
+// tokens that changes the keys and values a block holds.
+std::string PrefixCacheSalt(const EngineOptions& options) {
+  return absl::StrCat("model=", options.model_dir,
+                      "|kv_dtype=", static_cast<int>(options.kv.dtype),
+                      "|page=", options.kv.page_size_tokens,
+                      "|prefill=", static_cast<int>(options.prefill_precision),
+                      "|decode=", static_cast<int>(options.decode_precision),
+                      "|tp=", options.tensor_parallel, "|ep=", options.expert_parallel);
+}
+
+// Cached prefixes live in the pages the scheduler assigned: an executor
+// whose cache takes pages on its own (not caller_assigns_pages) cannot share
+// them. Fakes that do not say are taken at their word (they keep no KV).
+bool ExecutorFollowsBlockTables(const worker::StepExecutor& executor) {
+  const std::optional<worker::KvCacheOptions> kv = executor.kv_options();
+  if (kv.has_value() && !kv->caller_assigns_pages) {
+    EXL3_LOG(kWarning) << "prefix cache off: the executor's KV cache allocates its own pages";
+    return false;
+  }
+  return true;
+}
+
+std::vector<worker::KvBlockTransfer> Transfers(const std::vector<BlockTransfer>& blocks) {
+  std::vector<worker::KvBlockTransfer> out;
+  out.reserve(blocks.size());
+  for (const BlockTransfer& b : blocks) {
+    out.push_back({.page = b.block, .slot = b.slot, .hash_hi = b.hash.hi, .hash_lo = b.hash.lo});
+  }
+  return out;
+}
+
 bool GroupBroken(const absl::Status& status) {
   return absl::IsUnavailable(status) || absl::IsAborted(status) ||
          absl::IsDeadlineExceeded(status);
@@ -82,7 +114,12 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                   .num_blocks = options.kv.num_pages,
                                   .max_running = options.max_running,
                                   .step_token_budget = options.step_token_budget,
-                                  .max_waiting = 0}) {  // the queue limit is Submit's
+                                  .max_waiting = 0,  // the queue limit is Submit's
+                                  .enable_prefix_caching =
+                                      options.enable_prefix_caching &&
+                                      ExecutorFollowsBlockTables(*executor_),
+                                  .prefix_cache_salt = PrefixCacheSalt(options),
+                                  .disk_blocks = options.kv_disk_blocks}) {
   {
     absl::MutexLock lock(&mu_);
     stat_free_blocks_ = options_.kv.num_pages;
@@ -298,6 +335,7 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
   p.ignore_eos = sp.ignore_eos();
   p.text_output = tokenizer_ != nullptr;
   p.skip_special_tokens = !request.has_skip_special_tokens() || request.skip_special_tokens();
+  p.use_prefix_cache = !request.no_prefix_cache();
   for (const std::string& stop : sp.stop()) {
     if (stop.empty()) return Invalid("sampling_params.stop", "contains an empty string");
     p.stop_strings.push_back(stop);
@@ -422,6 +460,18 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_expert_parallel_size(static_cast<uint32_t>(std::max(1, options_.expert_parallel)));
   info.set_num_preemptions(stat_preemptions_);
   info.set_num_replays(stat_replays_);
+  info.set_prefix_cache_enabled(options_.enable_prefix_caching);
+  info.set_prefix_cache_queries_tokens(stat_prefix_.queried_tokens);
+  info.set_prefix_cache_hits_tokens(stat_prefix_.hit_tokens);
+  info.set_prefix_cache_evicted_blocks(stat_prefix_.evicted_blocks);
+  info.set_prefix_cache_blocks(static_cast<uint32_t>(stat_prefix_.cached_blocks));
+  info.set_prefix_cache_disk_capacity_blocks(
+      options_.enable_prefix_caching ? static_cast<uint64_t>(options_.kv_disk_blocks) : 0);
+  info.set_prefix_cache_disk_saved_blocks(stat_prefix_.disk_saves);
+  info.set_prefix_cache_disk_hit_blocks(stat_prefix_.disk_hits);
+  info.set_prefix_cache_disk_miss_blocks(stat_prefix_.disk_misses);
+  info.set_prefix_cache_disk_evicted_blocks(stat_prefix_.disk_evictions);
+  info.set_prefix_cache_disk_used_blocks(static_cast<uint64_t>(stat_prefix_.disk_used));
   info.set_num_steps(stat_steps_);
   info.set_step_seconds_total(stat_step_seconds_);
   info.set_coordinator_seconds_total(stat_coordinator_seconds_);
@@ -516,7 +566,7 @@ void LocalEngine::Loop() {
     for (Pending& p : fresh) {
       const int64_t seq_id = p.seq_id;
       Live live;
-      absl::Status added = scheduler_.Add(seq_id, p.prompt, p.deadline);
+      absl::Status added = scheduler_.Add(seq_id, p.prompt, p.deadline, p.use_prefix_cache);
       live.p = std::move(p);
       if (added.ok()) {
         if (live.p.text_output) {
@@ -542,6 +592,7 @@ void LocalEngine::Loop() {
       if (options_.reform_timeout > absl::ZeroDuration() &&
           executor_->Recover(absl::Now() + options_.reform_timeout).ok()) {
         EXL3_LOG(kWarning) << "rank group re-formed; ready again";
+        scheduler_.ForgetCachedBlocks();  // the new ranks' caches are empty
         absl::MutexLock lock(&mu_);
         broken_ = false;
       }
@@ -582,13 +633,39 @@ void LocalEngine::Step() {
     // preempted or replayed sequence is admitted again: the ranks then
     // observe its prompt + output so far again, and the same prompt_len
     // keeps the penalties' output counts).
+    // A prefix-cache hit: the ranks start the sequence at the cached length
+    // and observe the cached tokens (same penalties and generator position).
     Live& live = live_.at(seq_id);
-    const worker::SequenceSampling sampling{
-        .params = live.p.sampling, .prompt_len = static_cast<int64_t>(live.p.prompt.size())};
+    const std::span<const int32_t> tokens = scheduler_.tokens(seq_id);
+    const int64_t cached = scheduler_.cached_at_admission(seq_id);
+    worker::SequenceSampling sampling{
+        .params = live.p.sampling,
+        .prompt_len = static_cast<int64_t>(live.p.prompt.size()),
+        .cached_prefix = std::vector<int32_t>(tokens.begin(), tokens.begin() + cached)};
     if (absl::Status s = executor_->AddSampledSequence(seq_id, sampling); !s.ok()) {
       return OnExecutorFailure(s);
     }
-    if (!live.admitted) live.admitted = now;
+    if (!live.admitted) {
+      live.admitted = now;
+      live.cached_tokens = cached;
+    }
+  }
+  // The disk tier: evicted blocks leave before their pages are reused, then
+  // blocks of waiting prompts come back (KvLoadsDone before any Schedule).
+  if (!out.kv_saves.empty()) {
+    const std::vector<worker::KvBlockTransfer> saves = Transfers(out.kv_saves);
+    absl::Status s = executor_->SaveKvBlocks(saves);
+    if (!s.ok() && !absl::IsUnimplemented(s)) return OnExecutorFailure(s);
+  }
+  if (!out.kv_loads.empty()) {
+    const std::vector<worker::KvBlockTransfer> loads = Transfers(out.kv_loads);
+    std::vector<uint8_t> loaded;
+    absl::Status s = executor_->LoadKvBlocks(loads, &loaded);
+    if (!s.ok() && !absl::IsUnimplemented(s)) {
+      scheduler_.KvLoadsDone({});
+      return OnExecutorFailure(s);
+    }
+    scheduler_.KvLoadsDone(s.ok() ? loaded : std::vector<uint8_t>());
   }
   if (out.batch.empty()) return;
   std::vector<worker::SequenceTokens> batch;
@@ -679,6 +756,7 @@ bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken
     chunk->set_text(std::move(text));
     chunk->set_prompt_tokens(static_cast<uint32_t>(p.prompt.size()));
     chunk->set_completion_tokens(static_cast<uint32_t>(live.output.size()));
+    chunk->set_cached_tokens(static_cast<uint32_t>(live.cached_tokens));
     return r;
   };
 
@@ -723,6 +801,7 @@ void LocalEngine::Complete(int64_t seq_id, v1::FinishReason reason,
   for (int32_t id : live.output) c->add_output_ids(static_cast<uint32_t>(id));
   c->set_prompt_tokens(static_cast<uint32_t>(live.p.prompt.size()));
   c->set_completion_tokens(static_cast<uint32_t>(live.output.size()));
+  c->set_cached_tokens(static_cast<uint32_t>(live.cached_tokens));
   if (live.first_token) {
     c->set_time_to_first_token_seconds(absl::ToDoubleSeconds(*live.first_token - live.p.arrival));
   }
@@ -828,6 +907,7 @@ void LocalEngine::PublishStats() {
   stat_sampled_sequences_ = sampled_sequences_;
   stat_step_seconds_ = step_seconds_;
   stat_coordinator_seconds_ = coordinator_seconds_;
+  stat_prefix_ = scheduler_.prefix_cache_stats();
 }
 
 namespace {
@@ -863,6 +943,10 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
   if (options.tensor_parallel < 1) return Invalid("tensor_parallel", "must be >= 1");
   if (options.expert_parallel < 0) return Invalid("expert_parallel", "must be >= 0");
   if (options.kv.page_size_tokens < 1) return Invalid("kv.page_size_tokens", "must be >= 1");
+  if (options.kv_disk_blocks < 0) return Invalid("kv.disk.blocks", "must be >= 0");
+  if (options.kv_disk_blocks > 0 && options.kv_disk_path.empty()) {
+    return Invalid("kv.disk.path", "is required with kv.disk.blocks > 0");
+  }
   if (options.kv.num_pages < 1) return Invalid("kv.num_pages", "must be >= 1");
   if (options.max_running < 1) return Invalid("max_running", "must be >= 1");
   if (options.step_token_budget < 1) return Invalid("step_token_budget", "must be >= 1");
@@ -897,6 +981,10 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
   local.threads_per_rank = options.threads_per_rank;
   local.rank_executable = options.rank_executable;
   local.kv = options.kv;
+  if (options.enable_prefix_caching) {
+    local.kv_disk_path = options.kv_disk_path;
+    local.kv_disk_slots = options.kv_disk_blocks;
+  }
   local.step_timeout = options.rank_step_timeout;
   local.metrics_port = options.rank_metrics_port;
   local.metrics_host = options.rank_metrics_host;

@@ -77,6 +77,16 @@ struct EngineOptions {
   // KV cache of every rank; the scheduler's block allocator mirrors it. The
   // pool must hold max_context positions (num_pages * page_size_tokens).
   worker::KvCacheOptions kv;
+  // Reuse the KV blocks of cached prompt prefixes (coordinator/scheduler.h,
+  // block_pool.h); a request opts out with no_prefix_cache. serve/coordinator
+  // --no-prefix-cache turns it off.
+  bool enable_prefix_caching = true;
+  // The prefix cache's second tier: every rank keeps up to kv_disk_blocks
+  // evicted blocks in a file at kv_disk_path ("{rank}" = the rank; one file
+  // per rank) and reads them back on a hit (worker/model/kv_disk_tier.h).
+  // 0 = none. Needs enable_prefix_caching.
+  std::string kv_disk_path;
+  int64_t kv_disk_blocks = 0;
   // Waiting requests at most; Submit fails with ResourceExhausted beyond.
   int64_t max_queue = 256;
   // max_tokens of a request that leaves it unset.
@@ -200,6 +210,7 @@ class LocalEngine final : public Engine {
     std::vector<std::string> stop_strings;
     bool text_output = false;
     bool skip_special_tokens = true;
+    bool use_prefix_cache = true;
     absl::Time arrival;
     absl::Time deadline;
     ResponseCallback callback;
@@ -211,6 +222,7 @@ class LocalEngine final : public Engine {
     std::optional<StopStringMatcher> stops;
     std::vector<int32_t> output;
     std::optional<absl::Time> admitted;
+    int64_t cached_tokens = 0;  // prompt positions from the prefix cache (first admission)
     std::optional<absl::Time> first_token;
     std::optional<absl::Time> last_token;  // for inter-token latency
     std::string abort_reason;
@@ -284,6 +296,7 @@ class LocalEngine final : public Engine {
   double stat_coordinator_seconds_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_result_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
+  PrefixCacheStats stat_prefix_ ABSL_GUARDED_BY(mu_);
 
   std::thread thread_;  // the scheduler thread; joined by Shutdown
   absl::Mutex join_mu_;  // serialises Shutdown's join

@@ -140,6 +140,52 @@ struct CoordinatorMetrics::Impl {
                           "rank group.")
                     .Register(registry)
                     .Add(model)),
+        prefix_queries(prometheus::BuildCounter()
+                           .Name("exl3serve:prefix_cache_queries_total")
+                           .Help("Prefix cache: prompt tokens looked up at admission.")
+                           .Register(registry)
+                           .Add(model)),
+        prefix_hits(prometheus::BuildCounter()
+                        .Name("exl3serve:prefix_cache_hits_total")
+                        .Help("Prefix cache: prompt tokens found cached (not computed).")
+                        .Register(registry)
+                        .Add(model)),
+        prefix_evictions(prometheus::BuildCounter()
+                             .Name("exl3serve:prefix_cache_evicted_blocks_total")
+                             .Help("Prefix cache: cached KV blocks evicted for new ones.")
+                             .Register(registry)
+                             .Add(model)),
+        disk_saved(prometheus::BuildCounter()
+                       .Name("exl3serve:prefix_cache_disk_saved_blocks_total")
+                       .Help("Prefix cache disk tier: evicted KV blocks sent to the ranks' disks.")
+                       .Register(registry)
+                       .Add(model)),
+        disk_hits(prometheus::BuildCounter()
+                      .Name("exl3serve:prefix_cache_disk_hit_blocks_total")
+                      .Help("Prefix cache disk tier: KV blocks read back and verified on every rank.")
+                      .Register(registry)
+                      .Add(model)),
+        disk_misses(prometheus::BuildCounter()
+                        .Name("exl3serve:prefix_cache_disk_miss_blocks_total")
+                        .Help("Prefix cache disk tier: loads that failed on some rank (missing, "
+                              "dropped or corrupt; the positions were computed).")
+                        .Register(registry)
+                        .Add(model)),
+        disk_evictions(prometheus::BuildCounter()
+                           .Name("exl3serve:prefix_cache_disk_evicted_blocks_total")
+                           .Help("Prefix cache disk tier: slots reused for other blocks.")
+                           .Register(registry)
+                           .Add(model)),
+        disk_used(prometheus::BuildGauge()
+                      .Name("exl3serve:prefix_cache_disk_used_blocks")
+                      .Help("Prefix cache disk tier: slots holding a block now.")
+                      .Register(registry)
+                      .Add(model)),
+        prefix_blocks(prometheus::BuildGauge()
+                          .Name("exl3serve:prefix_cache_blocks")
+                          .Help("Prefix cache: KV blocks holding a known prefix now.")
+                          .Register(registry)
+                          .Add(model)),
         steps(prometheus::BuildCounter()
                   .Name("exl3serve:engine_steps_total")
                   .Help("Scheduler steps that ran a forward.")
@@ -213,13 +259,32 @@ struct CoordinatorMetrics::Impl {
   Counter &prompt_tokens, &generation_tokens;
   prometheus::Family<Counter>& success;
   prometheus::Family<Counter>& failure;
-  Counter &preemptions, &restarts, &replays, &steps, &coordinator_seconds;
+  Counter &preemptions, &restarts, &replays, &prefix_queries, &prefix_hits, &prefix_evictions;
+  Counter &disk_saved, &disk_hits, &disk_misses, &disk_evictions;
+  Gauge& disk_used;
+  Gauge& prefix_blocks;
+  Counter &steps, &coordinator_seconds;
   Histogram &ttft, &itl, &tpot, &e2e, &queue, &inference, &prefill, &decode;
   Histogram &prompt_len, &generation_len, &max_tokens, &step;
 
   absl::Mutex mu;  // Refresh's delta bookkeeping
   uint64_t preemptions_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t prefix_queries_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t prefix_hits_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t prefix_evictions_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t disk_saved_seen ABSL_GUARDED_BY(mu) = 0, disk_hits_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t disk_misses_seen ABSL_GUARDED_BY(mu) = 0, disk_evictions_seen ABSL_GUARDED_BY(mu) = 0;
 };
+
+namespace {
+// Moves a counter to an engine's cumulative value (never backwards).
+void CatchUp(prometheus::Counter& counter, uint64_t value, uint64_t* seen) {
+  if (value > *seen) {
+    counter.Increment(static_cast<double>(value - *seen));
+    *seen = value;
+  }
+}
+}  // namespace
 
 CoordinatorMetrics::CoordinatorMetrics(prometheus::Registry& registry,
                                        const CoordinatorMetricsOptions& options)
@@ -234,11 +299,17 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
   m.kv_usage.Set(info.kv_cache_usage_perc());
   {
     absl::MutexLock lock(&m.mu);
-    if (info.num_preemptions() > m.preemptions_seen) {
-      m.preemptions.Increment(static_cast<double>(info.num_preemptions() - m.preemptions_seen));
-      m.preemptions_seen = info.num_preemptions();
-    }
+    CatchUp(m.preemptions, info.num_preemptions(), &m.preemptions_seen);
+    CatchUp(m.prefix_queries, info.prefix_cache_queries_tokens(), &m.prefix_queries_seen);
+    CatchUp(m.prefix_hits, info.prefix_cache_hits_tokens(), &m.prefix_hits_seen);
+    CatchUp(m.prefix_evictions, info.prefix_cache_evicted_blocks(), &m.prefix_evictions_seen);
+    CatchUp(m.disk_saved, info.prefix_cache_disk_saved_blocks(), &m.disk_saved_seen);
+    CatchUp(m.disk_hits, info.prefix_cache_disk_hit_blocks(), &m.disk_hits_seen);
+    CatchUp(m.disk_misses, info.prefix_cache_disk_miss_blocks(), &m.disk_misses_seen);
+    CatchUp(m.disk_evictions, info.prefix_cache_disk_evicted_blocks(), &m.disk_evictions_seen);
   }
+  m.prefix_blocks.Set(info.prefix_cache_blocks());
+  m.disk_used.Set(static_cast<double>(info.prefix_cache_disk_used_blocks()));
   auto labels = [&](uint32_t rank) {
     return std::map<std::string, std::string>{{"model_name", m.options.model_name},
                                               {"rank", absl::StrCat(rank)}};

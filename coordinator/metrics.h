@@ -11,7 +11,14 @@
 //              request_success_total{finished_reason=stop|length|abort},
 //              request_failure_total{reason=<gRPC code name>}, num_preemptions_total,
 //              rank_restarts_total (rank group re-formations), request_replays_total,
-//              engine_steps_total, engine_step_coordinator_seconds_total
+//              engine_steps_total, engine_step_coordinator_seconds_total,
+//              prefix_cache_queries_total, prefix_cache_hits_total (tokens, vLLM's),
+//              prefix_cache_evicted_blocks_total
+//              prefix_cache_disk_{saved,hit,miss,evicted}_blocks_total (the disk tier)
+//   gauge      prefix_cache_blocks (blocks holding a known prefix),
+//              prefix_cache_disk_used_blocks
+// (bytes and checksum failures of the disk tier are the ranks':
+// worker/metrics.h kv_disk_*)
 //   histogram  time_to_first_token_seconds, inter_token_latency_seconds,
 //              request_time_per_output_token_seconds, e2e_request_latency_seconds,
 //              request_queue_time_seconds, request_inference_time_seconds,

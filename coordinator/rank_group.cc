@@ -163,7 +163,8 @@ class RemoteRankGroup::Impl {
   void OnStreamEnded(const std::shared_ptr<Conn>& conn);
   void Monitor();
   absl::Status RunStep(pb::Step step, std::vector<float>* logits,
-                       std::vector<worker::SampledToken>* tokens = nullptr);
+                       std::vector<worker::SampledToken>* tokens = nullptr,
+                       std::string* kv_blocks_loaded = nullptr);
   absl::Status WaitReady(absl::Time deadline) const;
   RankGroupStatus Status() const;
   void Shutdown(const std::string& reason);
@@ -213,6 +214,7 @@ class RemoteRankGroup::Impl {
     int remaining = 0;
     std::vector<float> logits;
     std::vector<worker::SampledToken> tokens;  // rank 0's, sampled forwards
+    std::string kv_blocks_loaded;              // rank 0's, load_kv_blocks
   };
 
   std::string Describe(int rank) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -519,6 +521,7 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
       if (r == 0) {
         result_bytes_ += result.ByteSizeLong();
         pending_->logits.assign(result.logits().begin(), result.logits().end());
+        pending_->kv_blocks_loaded = result.kv_blocks_loaded();
         pending_->tokens.resize(result.tokens_size());
         for (int i = 0; i < result.tokens_size(); ++i) {
           const pb::SampledTokenResult& t = result.tokens(i);
@@ -583,6 +586,8 @@ void RemoteRankGroup::Impl::StartGroup(Outbox& out) {
   setup->mutable_kv()->set_dtype_bits(KvBits(options_.kv.dtype));
   setup->mutable_kv()->set_num_pages(options_.kv.num_pages);
   setup->mutable_kv()->set_page_size_tokens(options_.kv.page_size_tokens);
+  setup->mutable_kv()->set_disk_path(options_.kv_disk_path);
+  setup->mutable_kv()->set_disk_blocks(options_.kv_disk_slots);
   setup->set_threads(options_.threads_per_rank);
   setup->set_join_timeout_ms(absl::ToInt64Milliseconds(options_.join_timeout));
   setup->set_collective_timeout_ms(absl::ToInt64Milliseconds(options_.collective_timeout));
@@ -679,7 +684,8 @@ void RemoteRankGroup::Impl::Monitor() {
 }
 
 absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* logits,
-                                            std::vector<worker::SampledToken>* tokens) {
+                                            std::vector<worker::SampledToken>* tokens,
+                                            std::string* kv_blocks_loaded) {
   uint64_t epoch = 0, id = 0;
   {
     Outbox out;
@@ -745,6 +751,7 @@ absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* l
   }
   if (logits != nullptr) *logits = std::move(done.logits);
   if (tokens != nullptr) *tokens = std::move(done.tokens);
+  if (kv_blocks_loaded != nullptr) *kv_blocks_loaded = std::move(done.kv_blocks_loaded);
   return absl::OkStatus();
 }
 
@@ -941,6 +948,8 @@ absl::Status RemoteRankGroup::AddSampledSequence(int64_t seq_id,
   spec->set_top_logprobs(p.top_logprobs);
   spec->set_prompt_len(sampling.prompt_len);
   for (const auto& [id, bias] : p.logit_bias) (*spec->mutable_logit_bias())[id] += bias;
+  add->mutable_cached_prefix_ids()->Add(sampling.cached_prefix.begin(),
+                                        sampling.cached_prefix.end());
   return impl_->RunStep(std::move(step), nullptr);
 }
 
@@ -979,6 +988,40 @@ absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTok
 absl::Status RemoteRankGroup::AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) {
   std::vector<int32_t>& staged = impl_->staged_pages_[seq_id];
   staged.insert(staged.end(), page_ids.begin(), page_ids.end());
+  return absl::OkStatus();
+}
+
+namespace {
+void ToProto(std::span<const worker::KvBlockTransfer> transfers, pb::KvBlockTransfers* out) {
+  for (const worker::KvBlockTransfer& t : transfers) {
+    pb::KvBlockTransfer* b = out->add_blocks();
+    b->set_page(t.page);
+    b->set_slot(t.slot);
+    b->set_hash_hi(t.hash_hi);
+    b->set_hash_lo(t.hash_lo);
+  }
+}
+}  // namespace
+
+absl::Status RemoteRankGroup::SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) {
+  if (impl_->options_.kv_disk_slots <= 0) return StepExecutor::SaveKvBlocks(saves);
+  pb::Step step;
+  ToProto(saves, step.mutable_save_kv_blocks());
+  return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
+                                           std::vector<uint8_t>* loaded) {
+  if (impl_->options_.kv_disk_slots <= 0) return StepExecutor::LoadKvBlocks(loads, loaded);
+  pb::Step step;
+  ToProto(loads, step.mutable_load_kv_blocks());
+  std::string flags;
+  EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, nullptr, &flags));
+  if (flags.size() != loads.size()) {
+    return absl::DataLossError(absl::StrCat("rank 0 answered ", flags.size(),
+                                            " load flags for ", loads.size(), " blocks"));
+  }
+  loaded->assign(flags.begin(), flags.end());
   return absl::OkStatus();
 }
 

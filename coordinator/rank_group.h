@@ -69,7 +69,7 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 3;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 4;
 
 // Who may register as a rank (the coordinator<->rank channel's security).
 // cert_file + key_file (PEM) turn TLS on for the rank endpoint; with
@@ -111,6 +111,10 @@ struct RankGroupOptions {
   // reused); ucx: bootstrap_address must be reachable by every rank.
   worker::comm::CommSpec comm;
   worker::KvCacheOptions kv;  // the cache every rank creates
+  // The prefix cache's disk tier of every rank (Setup.kv.disk_*; "{rank}" in
+  // the path is the rank, on the rank's own machine). 0 slots = none.
+  std::string kv_disk_path;
+  int64_t kv_disk_slots = 0;
   int threads_per_rank = 0;   // 0 = each rank's own --threads
   // Row tables every rank reads from its box's disk (Setup.spill; a rank
   // started with its own `worker --spill-*` flags uses those). nullopt: none.
@@ -208,6 +212,9 @@ class RemoteRankGroup final : public worker::StepExecutor {
   // Forward (ranks run with KvCacheOptions::caller_assigns_pages: these are
   // their only pages).
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
+  absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override;
+  absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override;
   std::optional<worker::KvCacheOptions> kv_options() const override;
   // Waits (by `deadline`) for the group to re-form from ranks that register
   // again (`worker --reconnect`, or restarted ranks): WaitReady. Then the

@@ -10,23 +10,155 @@
 
 namespace exl3serve::coordinator {
 
-Scheduler::Scheduler(const SchedulerOptions& options) : options_(options) {
+Scheduler::Scheduler(const SchedulerOptions& options)
+    : options_(options),
+      pool_((EXL3_CHECK(options.num_blocks > 0 && options.num_blocks <= INT32_MAX),
+             options.num_blocks)),  // block ids travel as int32
+      root_hash_(RootBlockHash(options.prefix_cache_salt)),
+      disk_(options.enable_prefix_caching ? options.disk_blocks : 0) {
   EXL3_CHECK(options_.page_size_tokens > 0);
-  EXL3_CHECK(options_.num_blocks > 0);
   EXL3_CHECK(options_.max_running > 0);
   EXL3_CHECK(options_.step_token_budget > 0);
-  EXL3_CHECK(options_.num_blocks <= INT32_MAX);  // block ids travel as int32
-  free_list_.reserve(options_.num_blocks);
-  for (int64_t b = options_.num_blocks - 1; b >= 0; --b) free_list_.push_back(static_cast<int32_t>(b));
 }
 
 void Scheduler::FreeBlocks(Sequence& seq) {
-  // Reverse order: a sequence re-admitted at once gets the same ids back.
-  for (auto it = seq.blocks.rbegin(); it != seq.blocks.rend(); ++it) free_list_.push_back(*it);
+  // Reverse order: a sequence re-admitted at once gets the same ids back,
+  // and of a cached prefix its last blocks are evicted first.
+  for (auto it = seq.blocks.rbegin(); it != seq.blocks.rend(); ++it) pool_.Release(*it);
   seq.blocks.clear();
+  seq.unsent_cached.clear();
+  seq.sealed = 0;
 }
 
-absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::Time deadline) {
+void Scheduler::HashBlocks(Sequence& seq, int64_t blocks) {
+  const int64_t page = options_.page_size_tokens;
+  EXL3_CHECK(blocks * page <= static_cast<int64_t>(seq.tokens.size()));
+  while (static_cast<int64_t>(seq.hashes.size()) < blocks) {
+    const int64_t k = static_cast<int64_t>(seq.hashes.size());
+    const BlockHash& parent = k == 0 ? root_hash_ : seq.hashes.back();
+    seq.hashes.push_back(
+        ChainBlockHash(parent, std::span<const int32_t>(seq.tokens).subspan(k * page, page)));
+  }
+}
+
+void Scheduler::SealComputedBlocks(Sequence& seq) {
+  if (!Caches(seq)) return;
+  const int64_t full = std::min<int64_t>(seq.computed / options_.page_size_tokens,
+                                         static_cast<int64_t>(seq.blocks.size()));
+  if (seq.sealed >= full) return;
+  HashBlocks(seq, full);
+  for (int64_t k = seq.sealed; k < full; ++k) pool_.Seal(seq.blocks[k], seq.hashes[k]);
+  seq.sealed = full;
+}
+
+int64_t Scheduler::TakeCachedPrefix(Sequence& seq) {
+  seq.cached_at_admission = 0;
+  if (!Caches(seq)) return 0;
+  const int64_t page = options_.page_size_tokens;
+  // At least one token is computed: its logits give the next token.
+  const int64_t limit = (static_cast<int64_t>(seq.tokens.size()) - 1) / page;
+  if (limit <= 0) return 0;
+  HashBlocks(seq, limit);
+  const std::vector<int32_t> hit =
+      pool_.Match(std::span<const BlockHash>(seq.hashes).subspan(0, limit));
+  for (int32_t b : hit) {
+    pool_.Acquire(b);
+    seq.blocks.push_back(b);
+  }
+  seq.unsent_cached = hit;
+  seq.sealed = static_cast<int64_t>(hit.size());
+  seq.computed = static_cast<int64_t>(hit.size()) * page;
+  seq.cached_at_admission = seq.computed;
+  // Blocks loaded from disk for it are in `hit` now (or, if the chain broke
+  // before them, cached like any released block).
+  ReleasePreloaded(seq);
+  return seq.computed;
+}
+
+void Scheduler::ReleasePreloaded(Sequence& seq) {
+  for (int32_t b : seq.preloaded) pool_.Release(b);
+  seq.preloaded.clear();
+}
+
+bool Scheduler::StartDiskLoads(int64_t seq_id, Sequence& seq, ScheduleOutput* out) {
+  if (!disk_.enabled() || !Caches(seq) || seq.disk_tried) return false;
+  seq.disk_tried = true;
+  const int64_t page = options_.page_size_tokens;
+  const int64_t limit = (static_cast<int64_t>(seq.tokens.size()) - 1) / page;
+  std::vector<std::pair<int64_t, int64_t>> found;  // (block index, slot)
+  for (int64_t k = static_cast<int64_t>(seq.blocks.size()); k < limit; ++k) {
+    const int64_t slot = disk_.Find(seq.hashes[k]);
+    if (slot < 0) break;
+    found.emplace_back(k, slot);
+  }
+  const int64_t n = std::min<int64_t>(static_cast<int64_t>(found.size()), pool_.available());
+  if (n == 0) return false;
+  for (int64_t i = 0; i < n; ++i) disk_.Pin(found[i].second);  // before any eviction
+  for (int64_t i = 0; i < n; ++i) {
+    const auto [k, slot] = found[i];
+    const BlockTransfer t{.block = pool_.Allocate(), .slot = slot, .hash = seq.hashes[k]};
+    disk_.Touch(slot);
+    loads_in_flight_.push_back({seq_id, t});
+    out->kv_loads.push_back(t);
+  }
+  return true;
+}
+
+void Scheduler::KvLoadsDone(std::span<const uint8_t> loaded) {
+  for (size_t i = 0; i < loads_in_flight_.size(); ++i) {
+    const InFlightLoad& load = loads_in_flight_[i];
+    const bool ok = i < loaded.size() && loaded[i] != 0;
+    disk_.Unpin(load.transfer.slot);
+    if (!ok) {
+      disk_.Forget(load.transfer.hash);
+      ++disk_misses_;
+    } else {
+      ++disk_hits_;
+    }
+    auto it = seqs_.find(load.seq_id);
+    if (ok && it != seqs_.end() && it->second.mark == Mark::kNone && !it->second.running) {
+      pool_.Seal(load.transfer.block, load.transfer.hash);
+      it->second.preloaded.push_back(load.transfer.block);
+    } else {
+      pool_.Release(load.transfer.block);
+    }
+  }
+  loads_in_flight_.clear();
+}
+
+std::vector<int32_t> Scheduler::blocks_held_for_loads() const {
+  std::vector<int32_t> out;
+  for (const InFlightLoad& load : loads_in_flight_) out.push_back(load.transfer.block);
+  for (const auto& [id, seq] : seqs_) out.insert(out.end(), seq.preloaded.begin(), seq.preloaded.end());
+  return out;
+}
+
+void Scheduler::SaveEvicted(ScheduleOutput* out) {
+  for (const auto& [block, hash] : pool_.TakeEvicted()) {
+    if (!disk_.enabled() || disk_.Find(hash) >= 0) continue;
+    const int64_t slot = disk_.Place(hash);
+    if (slot < 0) continue;  // every slot is being loaded from
+    out->kv_saves.push_back({.block = block, .slot = slot, .hash = hash});
+    ++disk_saves_;
+  }
+}
+
+void Scheduler::AbandonDiskState() {
+  if (!loads_in_flight_.empty()) KvLoadsDone({});
+  for (auto& [id, seq] : seqs_) {
+    ReleasePreloaded(seq);
+    seq.disk_tried = false;
+  }
+  disk_.Clear();
+}
+
+void Scheduler::ForgetCachedBlocks() {
+  AbandonDiskState();
+  pool_.ForgetCached();
+}
+
+absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::Time deadline,
+                            bool use_prefix_cache) {
   if (prompt.empty()) return absl::InvalidArgumentError("scheduler: empty prompt");
   if (seqs_.contains(seq_id)) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler: sequence ", seq_id, " exists"));
@@ -44,6 +176,7 @@ absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::T
   Sequence seq;
   seq.tokens = std::move(prompt);
   seq.deadline = deadline;
+  seq.cacheable = use_prefix_cache;
   seqs_.emplace(seq_id, std::move(seq));
   waiting_.push_back(seq_id);
   return absl::OkStatus();
@@ -96,6 +229,30 @@ std::span<const int32_t> Scheduler::block_table(int64_t seq_id) const {
   return it->second.blocks;
 }
 
+int64_t Scheduler::cached_at_admission(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  EXL3_CHECK(it != seqs_.end());
+  return it->second.cached_at_admission;
+}
+
+int64_t Scheduler::cached_at_first_admission(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  EXL3_CHECK(it != seqs_.end());
+  return it->second.cached_at_first_admission.value_or(0);
+}
+
+PrefixCacheStats Scheduler::prefix_cache_stats() const {
+  return {.queried_tokens = prefix_queried_tokens_,
+          .hit_tokens = prefix_hit_tokens_,
+          .evicted_blocks = evictions_before_reset_ + pool_.evictions(),
+          .cached_blocks = pool_.sealed(),
+          .disk_saves = disk_saves_,
+          .disk_hits = disk_hits_,
+          .disk_misses = disk_misses_,
+          .disk_evictions = disk_.evictions(),
+          .disk_used = disk_.used()};
+}
+
 bool Scheduler::is_running(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   return it != seqs_.end() && it->second.running;
@@ -110,6 +267,7 @@ void Scheduler::Erase(int64_t seq_id) {
   auto it = seqs_.find(seq_id);
   EXL3_CHECK(it != seqs_.end());
   FreeBlocks(it->second);
+  ReleasePreloaded(it->second);
   if (it->second.running) {
     running_.erase(std::find(running_.begin(), running_.end(), seq_id));
   } else {
@@ -121,6 +279,8 @@ void Scheduler::Erase(int64_t seq_id) {
 void Scheduler::Preempt(int64_t seq_id, ScheduleOutput* out) {
   Sequence& seq = seqs_.at(seq_id);
   EXL3_CHECK(seq.running);
+  SealComputedBlocks(seq);  // what it computed stays cached for its return
+  seq.disk_tried = false;
   FreeBlocks(seq);
   seq.computed = 0;
   seq.running = false;
@@ -144,10 +304,14 @@ void Scheduler::Emit(int64_t seq_id, int64_t count, ScheduleOutput* out) {
       BlocksFor(seq.computed + count) - static_cast<int64_t>(seq.blocks.size());
   EXL3_CHECK(count > 0 && needed <= free_blocks());
   ScheduledChunk chunk;
+  // The first chunk after an admission with a cache hit: the cached blocks
+  // reach the ranks' page tables first, then the new ones.
+  chunk.new_blocks = std::move(seq.unsent_cached);
+  seq.unsent_cached.clear();
   for (int64_t i = 0; i < needed; ++i) {
-    seq.blocks.push_back(free_list_.back());
-    chunk.new_blocks.push_back(free_list_.back());
-    free_list_.pop_back();
+    const int32_t b = pool_.Allocate();
+    seq.blocks.push_back(b);
+    chunk.new_blocks.push_back(b);
   }
   chunk.seq_id = seq_id;
   chunk.start = seq.computed;
@@ -159,6 +323,11 @@ void Scheduler::Emit(int64_t seq_id, int64_t count, ScheduleOutput* out) {
 
 ScheduleOutput Scheduler::Schedule(absl::Time now) {
   ScheduleOutput out;
+
+  // A caller that did not report its loads: they failed.
+  if (!loads_in_flight_.empty()) KvLoadsDone({});
+  // 0. The previous batch ran: its full blocks hold known prefixes now.
+  for (int64_t id : running_) SealComputedBlocks(seqs_.at(id));
 
   // 1. Finished, cancelled, expired.
   std::vector<int64_t> gone;
@@ -224,9 +393,29 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
     while (budget > 0 && !waiting_.empty() && num_running() < options_.max_running) {
       const int64_t id = waiting_.front();
       Sequence& seq = seqs_.at(id);
+      const int64_t cached = TakeCachedPrefix(seq);
+      if (StartDiskLoads(id, seq, &out)) {
+        // Admitted at a later step, once its blocks are loaded (KvLoadsDone).
+        FreeBlocks(seq);
+        seq.computed = 0;
+        seq.cached_at_admission = 0;
+        break;
+      }
       const int64_t fit = TokensThatFit(seq);
-      if (fit < 1) break;
-      const int64_t count = std::min({static_cast<int64_t>(seq.tokens.size()), budget, fit});
+      if (fit < 1) {
+        FreeBlocks(seq);  // the cached blocks go back to the LRU
+        seq.computed = 0;
+        seq.cached_at_admission = 0;
+        break;
+      }
+      const int64_t count =
+          std::min({static_cast<int64_t>(seq.tokens.size()) - cached, budget, fit});
+      if (Caches(seq)) {
+        prefix_queried_tokens_ += seq.tokens.size();
+        prefix_hit_tokens_ += cached;
+      }
+      if (!seq.cached_at_first_admission) seq.cached_at_first_admission = cached;
+      seq.disk_tried = false;
       waiting_.pop_front();
       seq.running = true;
       seq.admitted_at = ++admissions_;
@@ -236,6 +425,7 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
       budget -= count;
     }
   }
+  SaveEvicted(&out);
   return out;
 }
 
@@ -246,8 +436,11 @@ std::vector<int64_t> Scheduler::Reset() {
   seqs_.clear();
   waiting_.clear();
   running_.clear();
-  free_list_.clear();
-  for (int64_t b = options_.num_blocks - 1; b >= 0; --b) free_list_.push_back(static_cast<int32_t>(b));
+  evictions_before_reset_ += pool_.evictions();
+  for (const InFlightLoad& load : loads_in_flight_) disk_.Unpin(load.transfer.slot);
+  loads_in_flight_.clear();
+  disk_.Clear();
+  pool_ = BlockPool(options_.num_blocks);
   return ids;
 }
 
@@ -255,7 +448,10 @@ std::vector<int64_t> Scheduler::RequeueAll() {
   std::vector<int64_t> requeued;
   for (auto it = running_.rbegin(); it != running_.rend(); ++it) {  // newest first to the front
     Sequence& seq = seqs_.at(*it);
-    if (seq.mark != Mark::kNone) continue;
+    if (seq.mark != Mark::kNone) {
+      seq.cacheable = false;  // its blocks' content went with the old group
+      continue;
+    }
     FreeBlocks(seq);
     seq.computed = 0;
     seq.running = false;
@@ -265,6 +461,7 @@ std::vector<int64_t> Scheduler::RequeueAll() {
   }
   std::erase_if(running_, [&](int64_t id) { return !seqs_.at(id).running; });
   std::reverse(requeued.begin(), requeued.end());
+  ForgetCachedBlocks();  // the re-formed group's caches are empty
   return requeued;
 }
 

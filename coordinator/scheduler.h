@@ -37,16 +37,44 @@
 //      (FCFS; the first that does not fit stops admission, none is skipped)
 //      are admitted while the budget, the free blocks and max_running allow;
 //      a prompt longer than what is left is prefilled in chunks over several
-//      steps (chunked prefill).
+//      steps (chunked prefill). With the prefix cache, an admitted sequence
+//      first takes the cached blocks of its longest cached prefix of full
+//      blocks (at most (length - 1) / page of them: one token is always
+//      computed) and starts with those positions computed
+//      (cached_at_admission()).
+//
+// The prefix cache (SchedulerOptions::enable_prefix_caching; block_pool.h):
+// at the start of every Schedule() — the previous batch has run — each
+// running sequence's blocks that are now full are sealed with the hash of
+// their prefix; a released sealed block stays cached (its pages on the ranks
+// keep their content, since only the coordinator assigns pages) until an
+// allocation evicts it, least recently released first. A sealed block may sit
+// in several block tables at once, always where it is full (read-only): the
+// ranks' PagedKvCache accepts a page in use only inside a sequence's cached
+// prefix and refuses writes into a shared page. RequeueAll, Reset and
+// ForgetCachedBlocks drop every hash (the ranks' caches are gone).
+//
+// The disk tier (SchedulerOptions::disk_blocks > 0; worker/model/kv_disk_tier.h
+// on every rank, DiskBlockIndex here): a cached block that an allocation
+// evicts is listed in `kv_saves` (page -> slot; the executor saves it before
+// the forward reuses the page). When an admission finds the next blocks of a
+// prompt's prefix on disk (after those in memory), it takes fresh blocks for
+// them, lists `kv_loads` (slot -> page) and stops admitting for this step;
+// the caller loads them before the forward and reports each outcome with
+// KvLoadsDone — a verified block is sealed as if computed, a failed one is
+// a miss (its positions are computed) — and the sequence is admitted at a
+// later step with the loaded blocks in its cached prefix.
 //
 // Invariants (checked by the tests after every call):
-//   I1  free_blocks() + Σ blocks held by running sequences == num_blocks;
-//       waiting sequences hold none.
+//   I1  free_blocks() + |distinct blocks held by running sequences| ==
+//       num_blocks (free_blocks() counts cached unreferenced blocks: an
+//       allocation may evict them); waiting sequences hold none.
 //   I2  A running sequence holding `computed` cached positions holds exactly
 //       ceil(computed / page) blocks once the batch has run, as a block table
-//       of distinct ids in [0, num_blocks) that no other sequence holds
-//       (block_table()); a batch entry's new_blocks are the ids appended to
-//       its table in this step. The ranks' caches (caller_assigns_pages) get
+//       of distinct ids in [0, num_blocks) (block_table()); a block in two
+//       tables lies in each at an index < computed / page (full) and was
+//       sealed; a batch entry's new_blocks are the ids appended to its table
+//       in this step (for an admitted sequence: its cached blocks first). The ranks' caches (caller_assigns_pages) get
 //       exactly these pages (StepExecutor::AssignPages), so with the same page
 //       size and count each rank's page table of a sequence equals its block
 //       table here.
@@ -74,12 +102,15 @@
 
 #include <cstdint>
 #include <deque>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "coordinator/block_pool.h"
 
 namespace exl3serve::coordinator {
 
@@ -96,6 +127,37 @@ struct SchedulerOptions {
   // Waiting sequences at most (Add fails with ResourceExhausted beyond it;
   // preempted sequences return regardless). 0 = unlimited.
   int64_t max_waiting = 0;
+  // Reuse the KV blocks of prompts' cached prefixes (see the top of the
+  // file). Off: every prompt is computed (the pre-cache behaviour).
+  bool enable_prefix_caching = false;
+  // Everything besides the tokens that changes the keys and values (model,
+  // KV precision, ...): the root of every block hash.
+  std::string prefix_cache_salt;
+  // Slots of every rank's disk tier (0 = none); needs enable_prefix_caching.
+  int64_t disk_blocks = 0;
+};
+
+// Cumulative prefix-cache counters, in tokens (vLLM's prefix_cache_queries /
+// prefix_cache_hits): every admission of a cacheable sequence queries its
+// length and hits its cached_at_admission().
+struct PrefixCacheStats {
+  uint64_t queried_tokens = 0;
+  uint64_t hit_tokens = 0;
+  uint64_t evicted_blocks = 0;
+  int64_t cached_blocks = 0;  // sealed blocks now (held or not)
+  // The disk tier, in blocks.
+  uint64_t disk_saves = 0;       // evicted blocks sent to disk
+  uint64_t disk_hits = 0;        // loads every rank verified
+  uint64_t disk_misses = 0;      // loads that failed (missing, dropped, corrupt)
+  uint64_t disk_evictions = 0;   // disk slots reused for other blocks
+  int64_t disk_used = 0;         // slots holding a block now
+};
+
+// A block moved between a page and a disk slot (StepExecutor's KvBlockTransfer).
+struct BlockTransfer {
+  int32_t block = 0;
+  int64_t slot = 0;
+  BlockHash hash;
 };
 
 enum class DropReason {
@@ -135,6 +197,10 @@ struct ScheduleOutput {
   std::vector<DroppedSequence> dropped;
   // Sequences removed by Finish() in this step.
   std::vector<int64_t> finished;
+  // The disk tier: save these pages before anything else touches them, then
+  // load these slots (and call KvLoadsDone with one flag per load).
+  std::vector<BlockTransfer> kv_saves;
+  std::vector<BlockTransfer> kv_loads;
 };
 
 class Scheduler {
@@ -145,8 +211,10 @@ class Scheduler {
   // Errors: InvalidArgument for an empty prompt, a seq_id in use, or a prompt
   // longer than the pool's positions (it could never run); ResourceExhausted
   // naming the limit when max_waiting sequences already wait.
+  // `use_prefix_cache` false: the sequence neither reads nor adds cached
+  // blocks (a request's opt-out).
   absl::Status Add(int64_t seq_id, std::vector<int32_t> prompt,
-                   absl::Time deadline = absl::InfiniteFuture());
+                   absl::Time deadline = absl::InfiniteFuture(), bool use_prefix_cache = true);
 
   // Appends the token sampled from the logits of `seq_id`'s last batch entry
   // (needs_logits). Requires: the sequence is running and all its tokens
@@ -173,6 +241,16 @@ class Scheduler {
   // sequences are removed by the next Schedule() as usual. Returns the ids
   // requeued.
   std::vector<int64_t> RequeueAll();
+  // Drops every cached block's hash (the ranks' caches were lost while no
+  // sequence ran: an idle re-formation). Held blocks stay held.
+  void ForgetCachedBlocks();
+  // The outcome of this step's kv_loads, one flag each (1 = verified on every
+  // rank), in order. Must be called before the next Schedule when kv_loads
+  // was non-empty; an empty span = every load failed.
+  void KvLoadsDone(std::span<const uint8_t> loaded);
+  // Blocks held for loads (in flight, or loaded and awaiting their
+  // sequence's admission); the ranks' pages of these are free.
+  std::vector<int32_t> blocks_held_for_loads() const;
 
   bool Contains(int64_t seq_id) const { return seqs_.contains(seq_id); }
   // The sequence's tokens (prompt + generated). Requires: Contains(seq_id).
@@ -185,11 +263,20 @@ class Scheduler {
   // waiting). Valid until the next non-const call. Requires: Contains(seq_id).
   std::span<const int32_t> block_table(int64_t seq_id) const;
   bool is_running(int64_t seq_id) const;
+  // Positions that came from the prefix cache at the sequence's latest
+  // admission (0 without a hit, or while waiting before its first).
+  // Requires: Contains(seq_id).
+  int64_t cached_at_admission(int64_t seq_id) const;
+  // ... at its first admission (what a response reports as cached_tokens).
+  int64_t cached_at_first_admission(int64_t seq_id) const;
+  PrefixCacheStats prefix_cache_stats() const;
+  const BlockPool& block_pool() const { return pool_; }
 
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
   int64_t num_blocks() const { return options_.num_blocks; }
-  int64_t free_blocks() const { return static_cast<int64_t>(free_list_.size()); }
+  // Blocks an allocation can take: free ones and cached unreferenced ones.
+  int64_t free_blocks() const { return pool_.available(); }
   uint64_t num_preemptions() const { return num_preemptions_; }
   bool empty() const { return seqs_.empty(); }
   const SchedulerOptions& options() const { return options_; }
@@ -205,6 +292,17 @@ class Scheduler {
     uint64_t admitted_at = 0;    // admission counter (larger = more recent)
     absl::Time deadline = absl::InfiniteFuture();
     Mark mark = Mark::kNone;
+    bool cacheable = true;        // may read and add cached blocks
+    std::vector<BlockHash> hashes;  // of its full blocks, in order (lazily)
+    int64_t sealed = 0;           // table blocks sealed so far
+    int64_t cached_at_admission = 0;
+    std::optional<int64_t> cached_at_first_admission;
+    // Cached blocks taken at admission, not yet in a chunk's new_blocks.
+    std::vector<int32_t> unsent_cached;
+    // The disk tier: blocks loaded for this waiting sequence, held until it
+    // is admitted; whether this admission looked on disk already.
+    std::vector<int32_t> preloaded;
+    bool disk_tried = false;
   };
 
   int64_t BlocksFor(int64_t positions) const {
@@ -212,8 +310,26 @@ class Scheduler {
   }
   // Tokens of `seq` that fit in its blocks plus the free ones, beyond computed.
   int64_t TokensThatFit(const Sequence& seq) const;
-  // Returns the sequence's blocks to the free list.
+  // Drops the sequence's references on its blocks (sealed ones stay cached).
   void FreeBlocks(Sequence& seq);
+  bool Caches(const Sequence& seq) const {
+    return options_.enable_prefix_caching && seq.cacheable;
+  }
+  // Extends seq.hashes to its first `blocks` full blocks.
+  void HashBlocks(Sequence& seq, int64_t blocks);
+  // Seals the sequence's blocks whose positions are all computed.
+  void SealComputedBlocks(Sequence& seq);
+  // Takes the cached blocks of the longest cached prefix of a sequence about
+  // to be admitted; returns the positions they cover.
+  int64_t TakeCachedPrefix(Sequence& seq);
+  // The disk tier: starts loads of the blocks after `seq`'s cached prefix
+  // that are on disk; true when it did (the sequence waits for them).
+  bool StartDiskLoads(int64_t seq_id, Sequence& seq, ScheduleOutput* out);
+  // Lists the blocks the pool evicted as saves.
+  void SaveEvicted(ScheduleOutput* out);
+  void ReleasePreloaded(Sequence& seq);
+  // Drops loads in flight (as failed) and every disk index entry.
+  void AbandonDiskState();
   // Moves a running sequence to the front of the queue, freeing its blocks.
   void Preempt(int64_t seq_id, ScheduleOutput* out);
   // Removes a sequence entirely, freeing its blocks.
@@ -225,7 +341,18 @@ class Scheduler {
   absl::flat_hash_map<int64_t, Sequence> seqs_;
   std::deque<int64_t> waiting_;   // queue order
   std::vector<int64_t> running_;  // admission order
-  std::vector<int32_t> free_list_;  // free block ids; the back is taken next
+  BlockPool pool_;
+  BlockHash root_hash_;
+  uint64_t prefix_queried_tokens_ = 0;
+  uint64_t prefix_hit_tokens_ = 0;
+  uint64_t evictions_before_reset_ = 0;
+  DiskBlockIndex disk_;
+  struct InFlightLoad {
+    int64_t seq_id = 0;
+    BlockTransfer transfer;
+  };
+  std::vector<InFlightLoad> loads_in_flight_;
+  uint64_t disk_saves_ = 0, disk_hits_ = 0, disk_misses_ = 0;
   uint64_t admissions_ = 0;
   uint64_t num_preemptions_ = 0;
 };

@@ -95,6 +95,36 @@ struct RankMetrics::Impl {
                                .Help("Histogram of one disk read of a spilled row table (pread "
                                      "and checksum check) in seconds.")
                                .Register(registry)),
+        kv_disk(prometheus::BuildCounter()
+                    .Name("exl3serve:kv_disk_written_bytes_total")
+                    .Help("Prefix cache disk tier: KV page bytes written to this rank's file.")
+                    .Register(registry)),
+        kv_disk_read(prometheus::BuildCounter()
+                         .Name("exl3serve:kv_disk_read_bytes_total")
+                         .Help("Prefix cache disk tier: KV page bytes read from this rank's file.")
+                         .Register(registry)),
+        kv_disk_hits(prometheus::BuildCounter()
+                         .Name("exl3serve:kv_disk_hits_total")
+                         .Help("Prefix cache disk tier: blocks read back and verified.")
+                         .Register(registry)),
+        kv_disk_misses(prometheus::BuildCounter()
+                           .Name("exl3serve:kv_disk_misses_total")
+                           .Help("Prefix cache disk tier: loads that failed on this rank.")
+                           .Register(registry)),
+        kv_disk_checksum(prometheus::BuildCounter()
+                             .Name("exl3serve:kv_disk_checksum_failures_total")
+                             .Help("Prefix cache disk tier: slots whose header or data CRC32C "
+                                   "did not match (a miss, never wrong output).")
+                             .Register(registry)),
+        kv_disk_dropped(prometheus::BuildCounter()
+                            .Name("exl3serve:kv_disk_dropped_saves_total")
+                            .Help("Prefix cache disk tier: saves dropped because the write queue "
+                                  "was full (a step never waits for the disk).")
+                            .Register(registry)),
+        kv_disk_errors(prometheus::BuildCounter()
+                           .Name("exl3serve:kv_disk_io_errors_total")
+                           .Help("Prefix cache disk tier: failed reads and writes.")
+                           .Register(registry)),
         expert_tokens(prometheus::BuildCounter()
                           .Name("exl3serve:expert_tokens_total")
                           .Help("Tokens routed to each MoE expert this rank holds, summed over "
@@ -130,6 +160,13 @@ struct RankMetrics::Impl {
   prometheus::Family<prometheus::Counter>& spill_reads;
   prometheus::Family<prometheus::Counter>& spill_read_bytes;
   prometheus::Family<prometheus::Histogram>& spill_read_seconds;
+  prometheus::Family<prometheus::Counter>& kv_disk;
+  prometheus::Family<prometheus::Counter>& kv_disk_read;
+  prometheus::Family<prometheus::Counter>& kv_disk_hits;
+  prometheus::Family<prometheus::Counter>& kv_disk_misses;
+  prometheus::Family<prometheus::Counter>& kv_disk_checksum;
+  prometheus::Family<prometheus::Counter>& kv_disk_dropped;
+  prometheus::Family<prometheus::Counter>& kv_disk_errors;
   prometheus::Family<prometheus::Counter>& expert_tokens;
 
   // What OnModelCounters last saw, to export increments of the model's
@@ -138,6 +175,7 @@ struct RankMetrics::Impl {
   const Transformer* last_model ABSL_GUARDED_BY(mu) = nullptr;
   std::map<std::string, sharding::SpillStoreStats> last_spill ABSL_GUARDED_BY(mu);
   std::map<int, uint64_t> last_expert ABSL_GUARDED_BY(mu);
+  KvDiskTierStats last_kv_disk ABSL_GUARDED_BY(mu);
 };
 
 RankMetrics::RankMetrics(prometheus::Registry& registry, const RankMetricsOptions& options)
@@ -172,6 +210,23 @@ void RankMetrics::OnCollective(const std::string& backend, comm::CollectiveOp op
       .Observe(absl::ToDoubleSeconds(elapsed));
   m.collective_bytes.Add(m.With({{"backend", backend}, {"op", name}}))
       .Increment(static_cast<double>(bytes));
+}
+
+void RankMetrics::OnKvDiskTier(const KvDiskTierStats& now) {
+  Impl& m = *impl_;
+  absl::MutexLock lock(&m.mu);
+  KvDiskTierStats& before = m.last_kv_disk;
+  auto add = [&](prometheus::Family<prometheus::Counter>& family, uint64_t value, uint64_t seen) {
+    family.Add(m.base).Increment(static_cast<double>(value >= seen ? value - seen : 0));
+  };
+  add(m.kv_disk, now.bytes_written, before.bytes_written);
+  add(m.kv_disk_read, now.bytes_read, before.bytes_read);
+  add(m.kv_disk_hits, now.hits, before.hits);
+  add(m.kv_disk_misses, now.misses, before.misses);
+  add(m.kv_disk_checksum, now.checksum_failures, before.checksum_failures);
+  add(m.kv_disk_dropped, now.saves_dropped, before.saves_dropped);
+  add(m.kv_disk_errors, now.read_errors + now.write_errors, before.read_errors + before.write_errors);
+  before = now;
 }
 
 void RankMetrics::OnModelCounters(const Transformer& model) {

@@ -18,6 +18,11 @@
 //              exl3serve:spill_reads_total{tensor}        preads (after coalescing)
 //              exl3serve:spill_read_bytes_total{tensor}   bytes those preads returned
 //   histogram  exl3serve:spill_read_latency_seconds{tensor}  one pread + checksum check
+// The prefix cache's disk tier (worker/model/kv_disk_tier.h), when the rank has one:
+//   counter    exl3serve:kv_disk_written_bytes_total, kv_disk_read_bytes_total,
+//              kv_disk_hits_total, kv_disk_misses_total (all failed loads),
+//              kv_disk_checksum_failures_total, kv_disk_dropped_saves_total (queue full),
+//              kv_disk_io_errors_total
 // MoE ranks:
 //   counter    exl3serve:expert_tokens_total{expert}      tokens routed to each expert this
 //                rank holds (summed over layers)
@@ -60,6 +65,7 @@ class RankMetrics final : public rank::RankObserver {
   void OnCollective(const std::string& backend, comm::CollectiveOp op, size_t bytes,
                     absl::Duration elapsed, const absl::Status& status) override;
   void OnModelCounters(const Transformer& model) override;
+  void OnKvDiskTier(const KvDiskTierStats& stats) override;
 
  private:
   struct Impl;

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <future>
 #include <map>
 #include <memory>
@@ -595,21 +596,27 @@ class PageAuditExecutor final : public worker::StepExecutor {
     Audit(batch);
     return s;
   }
+  // Every page table equals what was assigned; a page on several tables
+  // (a shared cached prefix) has that many holders in the cache; the free
+  // pages are the ones on no table.
   void Audit(std::span<const worker::SequenceTokens> batch) {
-    std::map<int64_t, int64_t> owner;
-    int64_t held = 0;
+    std::map<int64_t, int> holders;
     for (const auto& [id, table] : assigned_) {
-      held += static_cast<int64_t>(table.size());
-      for (int64_t page : table) {
-        if (!owner.emplace(page, id).second) ++mismatches_;  // a page on two sequences
-      }
+      for (int64_t page : table) ++holders[page];
+    }
+    for (const auto& [page, n] : holders) {
+      if (inner_->cache().PageRefs(page) != n) ++mismatches_;
+      if (n > 1) ++shared_pages_seen_;
     }
     for (const worker::SequenceTokens& entry : batch) {
       if (inner_->cache().PageTable(entry.seq_id) != assigned_[entry.seq_id]) ++mismatches_;
     }
-    if (inner_->cache().free_pages() != num_pages_ - held) ++mismatches_;
+    if (inner_->cache().free_pages() != num_pages_ - static_cast<int64_t>(holders.size())) {
+      ++mismatches_;
+    }
     ++audited_forwards_;
   }
+  int64_t shared_pages_seen() const { return shared_pages_seen_.load(); }
   int64_t mismatches() const { return mismatches_.load(); }
   int64_t pages_assigned() const { return pages_assigned_.load(); }
   int64_t audited_forwards() const { return audited_forwards_.load(); }
@@ -619,6 +626,7 @@ class PageAuditExecutor final : public worker::StepExecutor {
   std::unique_ptr<worker::LocalStepExecutor> inner_;
   std::map<int64_t, std::vector<int64_t>> assigned_;  // scheduler thread only
   std::atomic<int64_t> mismatches_{0}, pages_assigned_{0}, audited_forwards_{0};
+  std::atomic<int64_t> shared_pages_seen_{0};
 };
 
 TEST_F(LocalEngineTest, TheCacheHoldsExactlyTheBlocksTheSchedulerAssigned) {
@@ -745,7 +753,9 @@ class ReformingExecutor final : public worker::StepExecutor {
  private:
   static absl::Status Dead() { return absl::UnavailableError("rank 1 (pid 4242) exited"); }
   void Fresh() {
-    auto cache = model->transformer->CreateKvCache(kv_);
+    worker::KvCacheOptions kv = kv_;
+    kv.caller_assigns_pages = true;  // as every rank's
+    auto cache = model->transformer->CreateKvCache(kv);
     ASSERT_TRUE(cache.ok());
     inner_ = std::make_unique<worker::LocalStepExecutor>(model->transformer.get(),
                                                          std::move(*cache));
@@ -819,6 +829,233 @@ TEST_F(LocalEngineTest, ABrokenEngineIsReadyAgainOnceTheGroupReforms) {
   ASSERT_TRUE(r.has_complete()) << r.DebugString();
   EXPECT_EQ(Ids(r.complete()), Alone(prompt, 12));
   engine->Shutdown();
+}
+
+// Multi-turn chats through the prefix cache: conversations share one of two
+// system prompts and re-send their whole history each turn; half sample
+// with a seed. The KV pool is small (preemption), and in one run a rank
+// dies mid-way (replay on a re-formed, empty group). Every output equals
+// the cache-off engine's, token for token; the cache served tokens; page
+// tables matched the scheduler's, shared pages included.
+struct ChatRun {
+  std::vector<std::vector<int32_t>> outputs;  // [conversation * turns + turn]
+  uint64_t cached_tokens = 0;                 // sum over responses
+  v1::GetServerInfoResponse info;
+};
+
+ChatRun RunChats(LocalEngine& engine) {
+  constexpr int kConversations = 8, kTurns = 4;
+  ChatRun run;
+  std::vector<std::vector<int32_t>> history(kConversations);
+  for (int c = 0; c < kConversations; ++c) history[c] = Prompt(13 + 8 * (c % 2), 900 + c % 2);
+  for (int turn = 0; turn < kTurns; ++turn) {
+    std::vector<std::unique_ptr<Stream>> streams;
+    std::vector<std::vector<int32_t>> prompts;
+    for (int c = 0; c < kConversations; ++c) {
+      std::vector<int32_t> prompt = history[c];
+      const std::vector<int32_t> user = Prompt(3 + (c + turn) % 5, 1000 + c * 10 + turn);
+      prompt.insert(prompt.end(), user.begin(), user.end());
+      prompts.push_back(prompt);
+      v1::GenerateRequest r = Request(prompt, 5 + (c + turn) % 4, absl::StrCat("c", c, "t", turn));
+      if (c % 2 == 1) {
+        r.mutable_sampling_params()->set_temperature(1.5f);
+        r.mutable_sampling_params()->set_top_k(40);
+        r.mutable_sampling_params()->set_repetition_penalty(1.2f);
+        r.mutable_sampling_params()->set_seed(77 + c * 100 + turn);
+      }
+      streams.push_back(std::make_unique<Stream>());
+      EXPECT_TRUE(engine.Submit(r, streams.back()->Callback()).ok());
+    }
+    for (int c = 0; c < kConversations; ++c) {
+      v1::GenerateResponse r = streams[c]->Wait();
+      EXPECT_TRUE(r.has_complete()) << r.DebugString();
+      const std::vector<int32_t> out = Ids(r.complete());
+      EXPECT_EQ(streams[c]->streamed(), out);
+      run.cached_tokens += r.complete().cached_tokens();
+      EXPECT_LT(r.complete().cached_tokens(), r.complete().prompt_tokens());
+      run.outputs.push_back(out);
+      history[c] = prompts[c];
+      history[c].insert(history[c].end(), out.begin(), out.end());
+    }
+  }
+  EXPECT_TRUE(engine.WaitForIdle(absl::Now() + kWait));
+  run.info = engine.GetServerInfo();
+  return run;
+}
+
+TEST_F(LocalEngineTest, PrefixCacheGivesTheSameTokensAsRecomputingEveryPrompt) {
+  EngineOptions off = Options(40, 4);  // 160 positions: chats of up to ~80 preempt
+  off.enable_prefix_caching = false;
+  const ChatRun reference = RunChats(*Engine(off));
+  EXPECT_EQ(reference.cached_tokens, 0u);
+  EXPECT_EQ(reference.info.prefix_cache_hits_tokens(), 0u);
+  EXPECT_FALSE(reference.info.prefix_cache_enabled());
+
+  EngineOptions on = Options(40, 4);
+  ASSERT_TRUE(on.enable_prefix_caching);  // the default
+  EngineModel m;
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
+  auto owned = std::make_unique<PageAuditExecutor>(on.kv);
+  PageAuditExecutor* audit = owned.get();
+  auto engine = std::make_unique<LocalEngine>(on, std::move(m), std::move(owned));
+  const ChatRun cached = RunChats(*engine);
+  ASSERT_EQ(cached.outputs.size(), reference.outputs.size());
+  for (size_t i = 0; i < cached.outputs.size(); ++i) {
+    EXPECT_EQ(cached.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
+  }
+  EXPECT_GT(cached.cached_tokens, 0u);
+  EXPECT_TRUE(cached.info.prefix_cache_enabled());
+  EXPECT_GT(cached.info.prefix_cache_hits_tokens(), 0u);
+  EXPECT_GE(cached.info.prefix_cache_queries_tokens(), cached.info.prefix_cache_hits_tokens());
+  EXPECT_GT(cached.info.num_preemptions(), 0u);
+  EXPECT_EQ(cached.info.kv_blocks_free(), 40u);
+  EXPECT_EQ(audit->mismatches(), 0);
+  EXPECT_GT(audit->shared_pages_seen(), 0);
+  engine->Shutdown();
+
+  // A rank dies after 25 forwards: the re-formed group's caches are empty.
+  EngineModel m2;
+  m2.facts = {.arch = model->transformer->config().arch,
+              .eos_token_ids = model->transformer->config().eos_token_ids};
+  auto dying = std::make_unique<ReformingExecutor>(on.kv, 25, /*recoverable=*/true);
+  ReformingExecutor* reforming = dying.get();
+  auto engine2 = std::make_unique<LocalEngine>(on, std::move(m2), std::move(dying));
+  const ChatRun replayed = RunChats(*engine2);
+  for (size_t i = 0; i < replayed.outputs.size(); ++i) {
+    EXPECT_EQ(replayed.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
+  }
+  EXPECT_EQ(reforming->recoveries(), 1);
+  EXPECT_GT(replayed.info.num_replays(), 0u);
+  EXPECT_GT(replayed.info.prefix_cache_hits_tokens(), 0u);
+}
+
+// An in-process model with a real disk tier (worker/model/kv_disk_tier.h)
+// whose file is corrupted under it: before every load, the slot of every
+// second block loaded has one data byte flipped on disk.
+class CorruptingDiskExecutor final : public worker::StepExecutor {
+ public:
+  CorruptingDiskExecutor(const worker::KvCacheOptions& kv, const std::string& path,
+                         int64_t slots, bool corrupt)
+      : corrupt_(corrupt) {
+    worker::KvCacheOptions assigned = kv;
+    assigned.caller_assigns_pages = true;
+    auto cache = model->transformer->CreateKvCache(assigned);
+    EXPECT_TRUE(cache.ok());
+    inner_ = std::make_unique<worker::LocalStepExecutor>(model->transformer.get(),
+                                                         std::move(*cache));
+    auto tier = worker::KvDiskTier::Open(
+        {.path = path, .slots = slots, .slot_bytes = inner_->cache().bytes_per_page()});
+    EXPECT_TRUE(tier.ok()) << tier.status();
+    inner_->set_disk_tier(std::move(*tier));
+    path_ = path;
+  }
+  int64_t vocab_size() const override { return inner_->vocab_size(); }
+  std::optional<worker::KvCacheOptions> kv_options() const override { return inner_->kv_options(); }
+  absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
+  absl::Status RemoveSequence(int64_t id) override { return inner_->RemoveSequence(id); }
+  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
+    return inner_->AssignPages(id, pages);
+  }
+  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
+    return inner_->AddSampledSequence(id, s);
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override {
+    return inner_->ForwardSampled(batch, sample, tokens);
+  }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
+                       std::vector<float>* logits) override {
+    return inner_->Forward(batch, rows, logits);
+  }
+  absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override {
+    return inner_->SaveKvBlocks(saves);
+  }
+  absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override {
+    if (corrupt_) {
+      inner_->disk_tier()->Flush();  // what is queued reaches the file first
+      const int64_t stride = worker::KvDiskTier::kHeaderBytes + inner_->cache().bytes_per_page();
+      std::FILE* f = std::fopen(path_.c_str(), "r+b");
+      EXPECT_NE(f, nullptr);
+      for (const worker::KvBlockTransfer& t : loads) {
+        if (loads_seen_++ % 2 == 0) continue;
+        const long at = static_cast<long>(t.slot * stride + worker::KvDiskTier::kHeaderBytes + 5);
+        std::fseek(f, at, SEEK_SET);
+        const int c = std::fgetc(f);
+        std::fseek(f, at, SEEK_SET);
+        std::fputc(c ^ 0x40, f);
+      }
+      std::fclose(f);
+    }
+    return inner_->LoadKvBlocks(loads, loaded);
+  }
+  worker::KvDiskTierStats disk_stats() const { return inner_->disk_tier()->stats(); }
+
+ private:
+  std::unique_ptr<worker::LocalStepExecutor> inner_;
+  std::string path_;
+  bool corrupt_;
+  int64_t loads_seen_ = 0;
+};
+
+TEST_F(LocalEngineTest, TheDiskTierGivesTheSameTokensAlsoWhenItsFileIsCorrupted) {
+  EngineOptions off = Options(40, 4);
+  off.enable_prefix_caching = false;
+  const ChatRun reference = RunChats(*Engine(off));
+  for (const bool corrupt : {false, true}) {
+    SCOPED_TRACE(corrupt ? "corrupted file" : "intact file");
+    testing::ScratchDir dir;
+    EngineOptions on = Options(40, 4);  // too small for the chats: blocks go to disk
+    on.kv_disk_path = dir.File("kv.bin");
+    on.kv_disk_blocks = 256;
+    EngineModel m;
+    m.facts = {.arch = model->transformer->config().arch,
+               .eos_token_ids = model->transformer->config().eos_token_ids};
+    auto owned = std::make_unique<CorruptingDiskExecutor>(on.kv, on.kv_disk_path, 256, corrupt);
+    CorruptingDiskExecutor* executor = owned.get();
+    auto engine = std::make_unique<LocalEngine>(on, std::move(m), std::move(owned));
+    const ChatRun run = RunChats(*engine);
+    ASSERT_EQ(run.outputs.size(), reference.outputs.size());
+    for (size_t i = 0; i < run.outputs.size(); ++i) {
+      EXPECT_EQ(run.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
+    }
+    const v1::GetServerInfoResponse& info = run.info;
+    EXPECT_EQ(info.prefix_cache_disk_capacity_blocks(), 256u);
+    EXPECT_GT(info.prefix_cache_disk_saved_blocks(), 0u);
+    EXPECT_GT(info.prefix_cache_disk_hit_blocks(), 0u);
+    const worker::KvDiskTierStats stats = executor->disk_stats();
+    EXPECT_GT(stats.hits, 0u);
+    if (corrupt) {
+      EXPECT_GT(info.prefix_cache_disk_miss_blocks(), 0u);
+      EXPECT_GT(stats.checksum_failures, 0u);
+    } else {
+      EXPECT_EQ(info.prefix_cache_disk_miss_blocks(), 0u);
+      EXPECT_EQ(stats.checksum_failures, 0u);
+    }
+    engine->Shutdown();
+  }
+}
+
+TEST_F(LocalEngineTest, ARequestCanOptOutOfThePrefixCache) {
+  auto engine = Engine(Options(64, 4));
+  const std::vector<int32_t> prompt = Prompt(30, 4242);
+  Stream first, second, opted_out;
+  ASSERT_TRUE(engine->Submit(Request(prompt, 4), first.Callback()).ok());
+  ASSERT_TRUE(first.Wait().has_complete());
+  ASSERT_TRUE(engine->Submit(Request(prompt, 4), second.Callback()).ok());
+  const v1::GenerateResponse r2 = second.Wait();
+  ASSERT_TRUE(r2.has_complete());
+  EXPECT_EQ(r2.complete().cached_tokens(), 28u);  // 7 full blocks of 4; the last token computed
+  v1::GenerateRequest r = Request(prompt, 4);
+  r.set_no_prefix_cache(true);
+  ASSERT_TRUE(engine->Submit(r, opted_out.Callback()).ok());
+  const v1::GenerateResponse r3 = opted_out.Wait();
+  ASSERT_TRUE(r3.has_complete());
+  EXPECT_EQ(r3.complete().cached_tokens(), 0u);
+  EXPECT_EQ(Ids(r3.complete()), Ids(r2.complete()));
+  EXPECT_EQ(Ids(r2.complete()), Alone(prompt, 4));
 }
 
 }  // namespace

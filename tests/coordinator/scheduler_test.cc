@@ -27,31 +27,89 @@ std::vector<int32_t> Tokens(int n, int32_t first = 1) {
   return t;
 }
 
+// What a rank would store at position `pos` of a sequence whose tokens are
+// `tokens`: k = (token, position), v = (a hash of tokens [0, pos], 0), all
+// small integers (exact in fp32). A position read back from a cached prefix
+// must hold exactly this sequence's prefix.
+void ExpectedEntry(std::span<const int32_t> tokens, int64_t pos, float* k, float* v) {
+  uint32_t h = 17;
+  for (int64_t i = 0; i <= pos; ++i) h = (h * 1000003u + static_cast<uint32_t>(tokens[i]) + 1u) % (1u << 20);
+  k[0] = static_cast<float>(tokens[pos]);
+  k[1] = static_cast<float>(pos);
+  v[0] = static_cast<float>(h);
+  v[1] = 0.0f;
+}
+
 // Drives a Scheduler and a PagedKvCache of the same geometry with every step
-// as a rank does (RemoveSequence / AddSequence / AssignPages of each entry's
-// new blocks, then Reserve as the Forward does, which in the rank's
-// caller_assigns_pages mode never takes a page), and checks invariants I1-I4
-// after each — I2 as: the cache's page table of every sequence in the batch
-// is exactly the scheduler's block table.
+// as a rank does (RemoveSequence / AddSequence with the cached length /
+// AssignPages of each entry's new blocks, then Reserve as the Forward does,
+// which in the rank's caller_assigns_pages mode never takes a page and
+// refuses writes into shared pages), writes each chunk's entries
+// (ExpectedEntry) and checks invariants I1-I4 after each — I2 as: the
+// cache's page table of every sequence in the batch is exactly the
+// scheduler's block table, and the positions before a chunk (cached or
+// computed earlier) read back as this sequence's own prefix; P1-P3 of the
+// block pool (a page's holders on the "rank" = the block's references).
 class Harness {
  public:
   explicit Harness(const SchedulerOptions& options) : scheduler_(options), options_(options) {
-    worker::KvCacheOptions kv;
-    kv.page_size_tokens = static_cast<int>(options.page_size_tokens);
-    kv.num_pages = options.num_blocks;
-    kv.dtype = worker::KvCacheDtype::kFp32;
-    kv.caller_assigns_pages = true;
-    auto cache = worker::PagedKvCache::Create({1, 1, 2}, kv);
-    EXPECT_TRUE(cache.ok()) << cache.status();
-    cache_.emplace(std::move(*cache));
+    NewCache();
   }
 
   Scheduler& scheduler() { return scheduler_; }
+  const worker::PagedKvCache& cache() const { return *cache_; }
+
+  // A rank failure and re-formation: every cache is empty, the scheduler
+  // requeues its sequences.
+  // The disk tier as a rank keeps it (slot -> hash and page bytes); a load
+  // fails with probability `fault_rate` (as a dropped save or a corrupted
+  // slot would, which a rank's checksum turns into a miss) and then leaves
+  // garbage in the page.
+  void SetDiskFaults(double fault_rate, uint32_t seed) {
+    fault_rate_ = fault_rate;
+    fault_rng_.seed(seed);
+  }
+  uint64_t disk_faults() const { return disk_faults_; }
+
+  std::vector<int64_t> FailAndReform() {
+    NewCache();
+    disk_.clear();  // the ranks' files are created again
+    reformed_ = true;
+    return scheduler_.RequeueAll();
+  }
 
   ScheduleOutput Step(absl::Time now = kT0) {
     ScheduleOutput out = scheduler_.Schedule(now);
-    for (int64_t id : out.release) EXPECT_TRUE(cache_->RemoveSequence(id).ok()) << id;
-    for (int64_t id : out.admit) EXPECT_TRUE(cache_->AddSequence(id).ok()) << id;
+    for (int64_t id : out.release) {
+      absl::Status removed = cache_->RemoveSequence(id);
+      // After a re-formation, sequences the old group held are unknown.
+      EXPECT_TRUE(removed.ok() || (reformed_ && absl::IsNotFound(removed))) << id << removed;
+    }
+    for (int64_t id : out.admit) {
+      absl::Status added = cache_->AddSequence(id, scheduler_.cached_at_admission(id));
+      EXPECT_TRUE(added.ok()) << id << added;
+    }
+    for (const BlockTransfer& save : out.kv_saves) {
+      const std::span<const uint8_t> bytes = cache_->PageBytes(save.block);
+      disk_[save.slot] = {save.hash, std::vector<uint8_t>(bytes.begin(), bytes.end())};
+    }
+    if (!out.kv_loads.empty()) {
+      std::vector<uint8_t> loaded;
+      for (const BlockTransfer& load : out.kv_loads) {
+        EXPECT_EQ(cache_->PageRefs(load.block), 0) << "a load into a page in use";
+        auto it = disk_.find(load.slot);
+        bool ok = it != disk_.end() && it->second.first == load.hash;
+        std::span<uint8_t> page = cache_->MutablePageBytes(load.block);
+        if (ok && std::bernoulli_distribution(fault_rate_)(fault_rng_)) {
+          ok = false;
+          ++disk_faults_;
+          std::fill(page.begin(), page.end(), uint8_t{0x7f});
+        }
+        if (ok) std::copy(it->second.second.begin(), it->second.second.end(), page.begin());
+        loaded.push_back(ok ? 1 : 0);
+      }
+      scheduler_.KvLoadsDone(loaded);
+    }
     int64_t total = 0;
     std::map<int64_t, int> seen;
     for (const ScheduledChunk& c : out.batch) {
@@ -63,33 +121,78 @@ class Harness {
       EXPECT_EQ(cache_->Length(c.seq_id), c.start);
       absl::Status assigned = cache_->AssignPages(c.seq_id, c.new_blocks);
       EXPECT_TRUE(assigned.ok()) << assigned;
-      absl::Status reserved =
-          cache_->Reserve(c.seq_id, c.start + static_cast<int64_t>(c.tokens.size()));
+      const int64_t end = c.start + static_cast<int64_t>(c.tokens.size());
+      absl::Status reserved = cache_->Reserve(c.seq_id, end);
       EXPECT_TRUE(reserved.ok()) << reserved;
       const std::span<const int32_t> table = scheduler_.block_table(c.seq_id);
       EXPECT_EQ(cache_->PageTable(c.seq_id), std::vector<int64_t>(table.begin(), table.end()))
           << "sequence " << c.seq_id;
-      cache_->SetLength(c.seq_id, c.start + static_cast<int64_t>(c.tokens.size()));
-      // I4
       std::span<const int32_t> all = scheduler_.tokens(c.seq_id);
+      if (assigned.ok() && reserved.ok()) {
+        // What the attention of this chunk reads: the sequence's own prefix.
+        if (c.start > 0) {
+          std::vector<float> k(c.start * 2), v(c.start * 2);
+          cache_->Read(c.seq_id, 0, 0, c.start, k.data(), v.data());
+          for (int64_t pos = 0; pos < c.start; ++pos) {
+            float ek[2], ev[2];
+            ExpectedEntry(all, pos, ek, ev);
+            const bool same = k[pos * 2] == ek[0] && k[pos * 2 + 1] == ek[1] && v[pos * 2] == ev[0];
+            EXPECT_TRUE(same) << "sequence " << c.seq_id << " reads a wrong entry at position "
+                              << pos << " (cached " << scheduler_.cached_at_admission(c.seq_id)
+                              << ")";
+            if (!same) break;
+          }
+        }
+        std::vector<float> k(c.tokens.size() * 2), v(c.tokens.size() * 2);
+        for (int64_t pos = c.start; pos < end; ++pos) {
+          ExpectedEntry(all, pos, &k[(pos - c.start) * 2], &v[(pos - c.start) * 2]);
+        }
+        cache_->Write(c.seq_id, 0, c.start, end - c.start, k.data(), v.data());
+        cache_->SetLength(c.seq_id, end);
+      }
+      // I4
       EXPECT_TRUE(std::equal(c.tokens.begin(), c.tokens.end(), all.begin() + c.start));
-      EXPECT_EQ(c.needs_logits, c.start + static_cast<int64_t>(c.tokens.size()) ==
-                                    static_cast<int64_t>(all.size()));
+      EXPECT_EQ(c.needs_logits, end == static_cast<int64_t>(all.size()));
       EXPECT_EQ(scheduler_.blocks_held(c.seq_id),
                 (scheduler_.computed(c.seq_id) + options_.page_size_tokens - 1) /
                     options_.page_size_tokens);
     }
     EXPECT_LE(total, options_.step_token_budget);  // I3
     EXPECT_LE(scheduler_.num_running(), options_.max_running);
-    // I1, and the mirror: the scheduler's free blocks are the cache's free pages.
-    EXPECT_EQ(scheduler_.free_blocks(), cache_->free_pages());
+    // I1, and the mirror: the scheduler's free blocks are the cache's free
+    // pages (blocks held for disk loads are free pages on the ranks).
+    const std::vector<int32_t> loading = scheduler_.blocks_held_for_loads();
+    EXPECT_EQ(scheduler_.free_blocks() + static_cast<int64_t>(loading.size()),
+              cache_->free_pages());
+    // P1, P2 of the pool, and P3 against the mirror's reference counts.
+    EXPECT_EQ(scheduler_.block_pool().CheckInvariants(), "");
+    for (int32_t b = 0; b < options_.num_blocks; ++b) {
+      const int64_t for_loads = std::count(loading.begin(), loading.end(), b);
+      EXPECT_EQ(scheduler_.block_pool().refs(b) - for_loads, cache_->PageRefs(b)) << "block " << b;
+    }
     return out;
   }
 
  private:
+  void NewCache() {
+    worker::KvCacheOptions kv;
+    kv.page_size_tokens = static_cast<int>(options_.page_size_tokens);
+    kv.num_pages = options_.num_blocks;
+    kv.dtype = worker::KvCacheDtype::kFp32;
+    kv.caller_assigns_pages = true;
+    auto cache = worker::PagedKvCache::Create({1, 1, 2}, kv);
+    EXPECT_TRUE(cache.ok()) << cache.status();
+    cache_.emplace(std::move(*cache));
+  }
+
   Scheduler scheduler_;
   SchedulerOptions options_;
   std::optional<worker::PagedKvCache> cache_;
+  bool reformed_ = false;
+  std::map<int64_t, std::pair<BlockHash, std::vector<uint8_t>>> disk_;
+  double fault_rate_ = 0;
+  std::mt19937 fault_rng_;
+  uint64_t disk_faults_ = 0;
 };
 
 const ScheduledChunk* Find(const ScheduleOutput& out, int64_t id) {
@@ -322,10 +425,22 @@ TEST(SchedulerTest, ResetForgetsEverything) {
 // the tokens a lone run gives it (its "model" here: next = f(last, position)),
 // the invariants hold after every step, FCFS holds for first admissions, and
 // the pool is whole at the end.
-TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
+// Randomized workloads to completion, checked by the harness after every
+// step; every sequence's output must be what it produces alone. With
+// `caching`, prompts share prefixes the way chat traffic does (one of a few
+// system prompts, or an earlier conversation's prompt + output + a new turn)
+// and the rank group fails and re-forms now and then (RequeueAll with empty
+// caches); the harness's content check proves that every cached position a
+// sequence reads is its own prefix.
+struct WorkloadCounts {
+  uint64_t preemptions = 0, cancellations = 0, reformations = 0, hit_tokens = 0;
+  uint64_t disk_hits = 0, disk_misses = 0, disk_faults = 0;
+};
+
+WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false) {
   const uint32_t seed = static_cast<uint32_t>(::testing::UnitTest::GetInstance()->random_seed());
-  uint64_t preemptions = 0, cancellations = 0;
-  for (int round = 0; round < 40; ++round) {
+  WorkloadCounts counts;
+  for (int round = 0; round < rounds; ++round) {
     std::mt19937 rng(seed * 7919u + round);
     SCOPED_TRACE(::testing::Message() << "gtest seed " << seed << ", round " << round);
     auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
@@ -334,8 +449,11 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
     options.num_blocks = uniform(8, 40);
     options.max_running = uniform(1, 8);
     options.step_token_budget = uniform(1, 24);
+    options.enable_prefix_caching = caching;
+    if (disk) options.disk_blocks = uniform(1, 24);
     const int64_t capacity = options.page_size_tokens * options.num_blocks;
     Harness h(options);
+    h.SetDiskFaults(0.15, seed + round);
 
     struct Want {
       std::vector<int32_t> prompt;
@@ -348,20 +466,38 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
     auto next_token = [](int32_t last, int64_t position) {
       return static_cast<int32_t>((last * 31 + position * 7 + 3) % 1000);
     };
+    std::vector<std::vector<int32_t>> system_prompts(3);
+    for (auto& sp : system_prompts) {
+      const int len = uniform(0, static_cast<int>(std::min<int64_t>(capacity / 2, 30)));
+      for (int i = 0; i < len; ++i) sp.push_back(uniform(0, 999));
+    }
     const int n = uniform(1, 30);
     int64_t next_id = 0;
     std::vector<int64_t> first_admissions;
-    std::vector<int64_t> arrival;
     int steps = 0;
     while (true) {
       if (next_id < n && uniform(0, 2) == 0) {
         Want w;
         const int64_t total = uniform(2, static_cast<int>(std::min<int64_t>(capacity, 60)));
-        const int64_t prompt_len = uniform(1, static_cast<int>(total - 1));
+        if (caching) {
+          // A shared beginning: a system prompt, or a finished conversation.
+          std::vector<int32_t> start = system_prompts[uniform(0, 2)];
+          if (uniform(0, 1) == 0) {
+            for (const auto& [id, done] : want) {
+              if (done.done && uniform(0, 2) == 0) {
+                start = done.prompt;
+                start.insert(start.end(), done.output.begin(), done.output.end());
+              }
+            }
+          }
+          if (static_cast<int64_t>(start.size()) >= total) start.resize(uniform(0, static_cast<int>(total - 1)));
+          w.prompt = start;
+        }
+        const int64_t prompt_len =
+            uniform(static_cast<int>(std::max<size_t>(w.prompt.size(), 1)), static_cast<int>(total - 1));
+        while (static_cast<int64_t>(w.prompt.size()) < prompt_len) w.prompt.push_back(uniform(0, 999));
         w.max_new = total - prompt_len;
-        for (int64_t i = 0; i < prompt_len; ++i) w.prompt.push_back(uniform(0, 999));
-        ASSERT_TRUE(h.scheduler().Add(next_id, w.prompt).ok());
-        arrival.push_back(next_id);
+        EXPECT_TRUE(h.scheduler().Add(next_id, w.prompt).ok());
         want[next_id] = std::move(w);
         ++next_id;
       }
@@ -372,7 +508,15 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
           it->second.cancelled = true;
         }
       }
+      if (caching && uniform(0, 150) == 0) {
+        h.FailAndReform();
+        ++counts.reformations;
+      }
       ScheduleOutput out = h.Step();
+      if (::testing::Test::HasFatalFailure() || ::testing::Test::HasNonfatalFailure()) {
+        ADD_FAILURE() << "stopping this workload after the first failed step";
+        return counts;
+      }
       for (int64_t id : out.admit) {
         if (std::find(first_admissions.begin(), first_admissions.end(), id) ==
             first_admissions.end()) {
@@ -394,17 +538,26 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
         }
       }
       ++steps;
-      ASSERT_LT(steps, 100000) << "no progress";
+      if (steps >= 100000) {
+        ADD_FAILURE() << "no progress";
+        return counts;
+      }
       if (next_id == n && h.scheduler().empty()) break;
     }
-    preemptions += h.scheduler().num_preemptions();
-    for (const auto& [id, w] : want) cancellations += w.cancelled;
+    counts.preemptions += h.scheduler().num_preemptions();
+    counts.hit_tokens += h.scheduler().prefix_cache_stats().hit_tokens;
+    counts.disk_hits += h.scheduler().prefix_cache_stats().disk_hits;
+    counts.disk_misses += h.scheduler().prefix_cache_stats().disk_misses;
+    counts.disk_faults += h.disk_faults();
+    EXPECT_TRUE(h.scheduler().blocks_held_for_loads().empty());
+    for (const auto& [id, w] : want) counts.cancellations += w.cancelled;
     // FCFS for first admissions.
     EXPECT_TRUE(std::is_sorted(first_admissions.begin(), first_admissions.end()));
     EXPECT_EQ(h.scheduler().free_blocks(), options.num_blocks);
+    for (int32_t b = 0; b < options.num_blocks; ++b) EXPECT_EQ(h.scheduler().block_pool().refs(b), 0);
     for (const auto& [id, w] : want) {
       if (w.cancelled) continue;
-      ASSERT_TRUE(w.done) << id;
+      EXPECT_TRUE(w.done) << id;
       std::vector<int32_t> alone = w.prompt;
       std::vector<int32_t> expected;
       while (static_cast<int64_t>(expected.size()) < w.max_new) {
@@ -415,9 +568,218 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
       EXPECT_EQ(w.output, expected) << "sequence " << id;
     }
   }
+  return counts;
+}
+
+TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
+  const WorkloadCounts counts = RunRandomWorkloads(/*caching=*/false, 40);
   // The workloads are meant to exercise preemption and cancellation.
-  EXPECT_GT(preemptions, 0u);
-  EXPECT_GT(cancellations, 0u);
+  EXPECT_GT(counts.preemptions, 0u);
+  EXPECT_GT(counts.cancellations, 0u);
+  EXPECT_EQ(counts.hit_tokens, 0u);
+}
+
+TEST(SchedulerTest, RandomSharedPrefixWorkloadsReadOnlyTheirOwnPrefix) {
+  const WorkloadCounts counts = RunRandomWorkloads(/*caching=*/true, 60);
+  EXPECT_GT(counts.preemptions, 0u);
+  EXPECT_GT(counts.cancellations, 0u);
+  EXPECT_GT(counts.reformations, 0u);
+  EXPECT_GT(counts.hit_tokens, 0u);
+}
+
+TEST(SchedulerTest, RandomWorkloadsThroughTheDiskTierReadOnlyTheirOwnPrefix) {
+  const WorkloadCounts counts = RunRandomWorkloads(/*caching=*/true, 80, /*disk=*/true);
+  EXPECT_GT(counts.disk_hits, 0u);
+  EXPECT_GT(counts.disk_faults, 0u);
+  EXPECT_GE(counts.disk_misses, counts.disk_faults);
+  EXPECT_GT(counts.reformations, 0u);
+}
+
+SchedulerOptions CachingOptions() {
+  SchedulerOptions options;
+  options.page_size_tokens = 4;
+  options.num_blocks = 16;
+  options.step_token_budget = 64;
+  options.enable_prefix_caching = true;
+  return options;
+}
+
+// Runs `id` with `prompt` to its first token, then finishes it.
+void RunToFirstToken(Harness& h, int64_t id, const std::vector<int32_t>& prompt) {
+  ASSERT_TRUE(h.scheduler().Add(id, prompt).ok());
+  for (int i = 0; i < 20; ++i) {
+    ScheduleOutput out = h.Step();
+    const ScheduledChunk* c = Find(out, id);
+    if (c != nullptr && c->needs_logits) {
+      h.scheduler().Finish(id);
+      h.Step();
+      return;
+    }
+  }
+  FAIL() << "sequence " << id << " never reached its first token";
+}
+
+TEST(SchedulerTest, PrefixCacheReusesTheFullBlocksOfAnEarlierPrompt) {
+  Harness h(CachingOptions());
+  std::vector<int32_t> a = Tokens(10);
+  RunToFirstToken(h, 1, a);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 2);  // positions 0..7
+  // The same first 9 tokens, then others: blocks 0 and 1 are reused.
+  std::vector<int32_t> b = Tokens(9);
+  b.push_back(500);
+  b.push_back(501);
+  b.push_back(502);
+  ASSERT_TRUE(h.scheduler().Add(2, b).ok());
+  ScheduleOutput out = h.Step();
+  const ScheduledChunk* c = Find(out, 2);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 8);
+  EXPECT_EQ(h.scheduler().cached_at_first_admission(2), 8);
+  EXPECT_EQ(c->start, 8);
+  EXPECT_EQ(c->tokens.size(), 4u);
+  ASSERT_GE(c->new_blocks.size(), 3u);
+  const std::span<const int32_t> table = h.scheduler().block_table(2);
+  EXPECT_EQ(c->new_blocks, std::vector<int32_t>(table.begin(), table.end()));
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().queried_tokens, 10u + 12u);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().hit_tokens, 8u);
+}
+
+TEST(SchedulerTest, PrefixCacheAlwaysComputesTheLastPromptToken) {
+  Harness h(CachingOptions());
+  RunToFirstToken(h, 1, Tokens(8));  // two full blocks, both sealed
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 2);
+  ASSERT_TRUE(h.scheduler().Add(2, Tokens(8)).ok());
+  ScheduleOutput out = h.Step();
+  const ScheduledChunk* c = Find(out, 2);
+  ASSERT_NE(c, nullptr);
+  // Only the first block: the second holds the last token, whose logits
+  // are needed, and a shared block is never written.
+  EXPECT_EQ(c->start, 4);
+  EXPECT_EQ(c->tokens.size(), 4u);
+  EXPECT_TRUE(c->needs_logits);
+}
+
+TEST(SchedulerTest, PrefixBlocksAreSharedByRunningSequences) {
+  Harness h(CachingOptions());
+  ASSERT_TRUE(h.scheduler().Add(1, Tokens(9)).ok());
+  h.Step();  // 1 prefilled, holds 3 blocks (two full)
+  h.scheduler().AppendToken(1, 77);
+  ASSERT_TRUE(h.scheduler().Add(2, Tokens(9)).ok());
+  ScheduleOutput out = h.Step();  // 1 decodes, 2 shares its two full blocks
+  ASSERT_NE(Find(out, 2), nullptr);
+  EXPECT_EQ(Find(out, 2)->start, 8);
+  const std::span<const int32_t> t1 = h.scheduler().block_table(1);
+  const std::span<const int32_t> t2 = h.scheduler().block_table(2);
+  EXPECT_EQ(t1[0], t2[0]);
+  EXPECT_EQ(t1[1], t2[1]);
+  EXPECT_NE(t1[2], t2[2]);
+  EXPECT_EQ(h.cache().PageRefs(t1[0]), 2);
+  EXPECT_EQ(h.scheduler().free_blocks(), 16 - 4);  // distinct blocks held: 4
+}
+
+TEST(SchedulerTest, PrefixCacheEvictsTheLeastRecentlyReleasedBlocksFirst) {
+  SchedulerOptions options = CachingOptions();
+  options.num_blocks = 6;
+  Harness h(options);
+  RunToFirstToken(h, 1, Tokens(9, 100));  // seals 2 blocks
+  RunToFirstToken(h, 2, Tokens(9, 200));  // seals 2 more
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 4);
+  // 5 blocks needed: the 2 free ones, then 1's two blocks (released first),
+  // then 2's tail block (a sequence's tail goes before its head).
+  RunToFirstToken(h, 3, Tokens(17, 300));
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().evicted_blocks, 3u);
+  ASSERT_TRUE(h.scheduler().Add(4, Tokens(9, 200)).ok());
+  h.Step();
+  EXPECT_EQ(h.scheduler().cached_at_admission(4), 4);  // 2's head block survived
+  ASSERT_TRUE(h.scheduler().Add(5, Tokens(9, 100)).ok());
+  h.Step();
+  EXPECT_EQ(h.scheduler().cached_at_admission(5), 0);  // 1's head block was evicted
+}
+
+TEST(SchedulerTest, PrefixCacheIsForgottenWhenTheGroupReforms) {
+  Harness h(CachingOptions());
+  RunToFirstToken(h, 1, Tokens(9));
+  ASSERT_TRUE(h.scheduler().Add(2, Tokens(13)).ok());
+  h.Step();
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 8);
+  h.scheduler().AppendToken(2, 5);
+  EXPECT_EQ(h.FailAndReform(), std::vector<int64_t>{2});
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 0);
+  ScheduleOutput out = h.Step();  // 2 is prefilled again from position 0
+  ASSERT_NE(Find(out, 2), nullptr);
+  EXPECT_EQ(Find(out, 2)->start, 0);
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 0);
+  EXPECT_EQ(h.scheduler().cached_at_first_admission(2), 8);
+}
+
+TEST(SchedulerTest, ASequenceThatOptsOutNeitherReadsNorLeavesCachedBlocks) {
+  Harness h(CachingOptions());
+  ASSERT_TRUE(h.scheduler().Add(1, Tokens(9), absl::InfiniteFuture(), false).ok());
+  h.Step();
+  h.scheduler().Finish(1);
+  h.Step();
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 0);
+  RunToFirstToken(h, 2, Tokens(9));
+  ASSERT_TRUE(h.scheduler().Add(3, Tokens(9), absl::InfiniteFuture(), false).ok());
+  h.Step();
+  EXPECT_EQ(h.scheduler().cached_at_admission(3), 0);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().queried_tokens, 9u);  // only 2's
+}
+
+TEST(SchedulerTest, PrefixCacheIsOffUnlessEnabled) {
+  SchedulerOptions options = CachingOptions();
+  options.enable_prefix_caching = false;
+  Harness h(options);
+  RunToFirstToken(h, 1, Tokens(9));
+  ASSERT_TRUE(h.scheduler().Add(2, Tokens(9)).ok());
+  h.Step();
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 0);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 0);
+}
+
+// The disk tier: a cached block evicted from memory is saved; a later prompt
+// with that prefix loads it (one step), then is admitted with it cached. A
+// failed load is a miss: those positions are computed.
+TEST(SchedulerTest, AnEvictedBlockComesBackFromTheDiskTier) {
+  for (const bool fault : {false, true}) {
+    SCOPED_TRACE(fault ? "the load fails" : "the load succeeds");
+    SchedulerOptions options = CachingOptions();
+    options.num_blocks = 6;
+    options.disk_blocks = 8;
+    Harness h(options);
+    if (fault) h.SetDiskFaults(1.0, 1);
+    RunToFirstToken(h, 1, Tokens(9, 100));  // seals its 2 full blocks
+    RunToFirstToken(h, 2, Tokens(17, 300));  // 5 blocks: evicts 1's second (its tail) block
+    EXPECT_EQ(h.scheduler().prefix_cache_stats().disk_saves, 1u);
+    EXPECT_EQ(h.scheduler().prefix_cache_stats().disk_used, 1);
+    ASSERT_TRUE(h.scheduler().Add(3, Tokens(9, 100)).ok());
+    ScheduleOutput loading = h.Step();
+    ASSERT_EQ(loading.kv_loads.size(), 1u);
+    EXPECT_TRUE(loading.admit.empty());  // it waits for its load
+    ScheduleOutput admitted = h.Step();
+    ASSERT_EQ(admitted.admit, std::vector<int64_t>{3});
+    const PrefixCacheStats stats = h.scheduler().prefix_cache_stats();
+    if (fault) {
+      EXPECT_EQ(h.scheduler().cached_at_admission(3), 4);  // the head block, from memory
+      EXPECT_EQ(stats.disk_misses, 1u);
+      EXPECT_EQ(stats.disk_used, 0);  // forgotten
+    } else {
+      EXPECT_EQ(h.scheduler().cached_at_admission(3), 8);
+      EXPECT_EQ(stats.disk_hits, 1u);
+    }
+    EXPECT_TRUE(h.scheduler().blocks_held_for_loads().empty());
+  }
+}
+
+TEST(SchedulerTest, DifferentSaltsNeverShareBlocks) {
+  const std::vector<int32_t> t = Tokens(4);
+  EXPECT_EQ(ChainBlockHash(RootBlockHash("a"), t), ChainBlockHash(RootBlockHash("a"), t));
+  EXPECT_FALSE(ChainBlockHash(RootBlockHash("a"), t) == ChainBlockHash(RootBlockHash("b"), t));
+  // The chain covers the whole prefix, not just the block.
+  const BlockHash root = RootBlockHash("a");
+  const BlockHash x = ChainBlockHash(ChainBlockHash(root, Tokens(4, 1)), t);
+  const BlockHash y = ChainBlockHash(ChainBlockHash(root, Tokens(4, 2)), t);
+  EXPECT_FALSE(x == y);
 }
 
 }  // namespace

@@ -230,6 +230,83 @@ TEST(PagedKvCacheTest, AssignedPagesHoldEachSequencesValuesWithoutOverlap) {
   }
 }
 
+TEST(PagedKvCacheTest, ACachedPrefixSharesFullPagesReadOnly) {
+  // Sequence 1 writes 7 positions on pages {4, 1, 6} (page size 3); sequence
+  // 2 starts with 1's first two pages as its cached prefix (6 positions),
+  // reads 1's values there, and writes its own from position 6 on page 2.
+  constexpr int kPage = 3;
+  PagedKvCache cache = MakeAssigned(8, kPage);
+  const std::vector<float> k1 = Random(7 * kEntry, 21), v1 = Random(7 * kEntry, 22);
+  ASSERT_TRUE(cache.AddSequence(1).ok());
+  ASSERT_TRUE(cache.AssignPages(1, std::vector<int32_t>{4, 1, 6}).ok());
+  ASSERT_TRUE(cache.Reserve(1, 7).ok());
+  cache.Write(1, 0, 0, 7, k1.data(), v1.data());
+  cache.SetLength(1, 7);
+
+  ASSERT_TRUE(cache.AddSequence(2, 2 * kPage).ok());
+  EXPECT_EQ(cache.Length(2), 6);
+  // Page 6 ends outside the cached prefix: it stays 1's.
+  const absl::Status third = cache.AssignPages(2, std::vector<int32_t>{4, 1, 6});
+  EXPECT_EQ(third.code(), absl::StatusCode::kFailedPrecondition) << third;
+  EXPECT_NE(third.message().find("page 6 is already used by sequence 1"), std::string::npos)
+      << third;
+  ASSERT_TRUE(cache.AssignPages(2, std::vector<int32_t>{4, 1, 2}).ok());
+  EXPECT_EQ(cache.PageRefs(4), 2);
+  EXPECT_EQ(cache.PageRefs(2), 1);
+  EXPECT_EQ(cache.free_pages(), 4);  // 0, 3, 5, 7
+  ASSERT_TRUE(cache.Reserve(2, 9).ok());
+  const std::vector<float> k2 = Random(3 * kEntry, 23), v2 = Random(3 * kEntry, 24);
+  cache.Write(2, 0, 6, 3, k2.data(), v2.data());
+  cache.SetLength(2, 9);
+  std::vector<float> k(9 * kEntry), v(9 * kEntry);
+  cache.Read(2, 0, 0, 9, k.data(), v.data());
+  EXPECT_TRUE(std::equal(k1.begin(), k1.begin() + 6 * kEntry, k.begin()));
+  EXPECT_TRUE(std::equal(v1.begin(), v1.begin() + 6 * kEntry, v.begin()));
+  EXPECT_TRUE(std::equal(k2.begin(), k2.end(), k.begin() + 6 * kEntry));
+  // 1's own values are untouched.
+  std::vector<float> again(7 * kEntry), again_v(7 * kEntry);
+  cache.Read(1, 0, 0, 7, again.data(), again_v.data());
+  EXPECT_EQ(again, k1);
+
+  // A forward that would write into a shared page is refused.
+  cache.SetLength(1, 5);  // (as if 1 were at position 5, inside page 1)
+  const absl::Status write_shared = cache.Reserve(1, 7);
+  EXPECT_EQ(write_shared.code(), absl::StatusCode::kFailedPrecondition) << write_shared;
+  EXPECT_NE(write_shared.message().find("page 1"), std::string::npos) << write_shared;
+  cache.SetLength(1, 7);
+
+  // A shared page returns to the pool with its last holder, and keeps its
+  // content: a later sequence may start from it again.
+  ASSERT_TRUE(cache.RemoveSequence(1).ok());
+  EXPECT_EQ(cache.PageRefs(4), 1);
+  EXPECT_EQ(cache.free_pages(), 5);  // + page 6
+  ASSERT_TRUE(cache.RemoveSequence(2).ok());
+  EXPECT_EQ(cache.free_pages(), 8);
+  ASSERT_TRUE(cache.AddSequence(3, kPage).ok());
+  ASSERT_TRUE(cache.AssignPages(3, std::vector<int32_t>{4, 0}).ok());
+  std::vector<float> k3(kPage * kEntry), v3(kPage * kEntry);
+  ASSERT_TRUE(cache.Reserve(3, kPage + 1).ok());
+  cache.Read(3, 0, 0, kPage, k3.data(), v3.data());
+  EXPECT_TRUE(std::equal(k3.begin(), k3.end(), k1.begin()));
+}
+
+TEST(PagedKvCacheTest, ACachedLengthMustFitThePoolAndNeedsAssignedPages) {
+  PagedKvCache assigned = MakeAssigned(4, 3);
+  EXPECT_EQ(assigned.AddSequence(1, 13).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(assigned.AddSequence(1, -1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(assigned.AddSequence(1, 12).ok());
+  // Its pages must come before a forward reads them.
+  EXPECT_EQ(assigned.Reserve(1, 13).code(), absl::StatusCode::kFailedPrecondition);
+  KvCacheOptions options;
+  options.num_pages = 4;
+  options.page_size_tokens = 3;
+  auto own = PagedKvCache::Create(kShape, options);
+  ASSERT_TRUE(own.ok());
+  const absl::Status s = own->AddSequence(1, 3);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("caller_assigns_pages"), std::string::npos) << s;
+}
+
 TEST(PagedKvCacheTest, RejectsBadOptions) {
   KvCacheOptions options;
   options.num_pages = 0;

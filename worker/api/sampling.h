@@ -52,6 +52,12 @@ struct SequenceSampling {
   // frequency penalties count those); all observed tokens count for the
   // repetition penalty.
   int64_t prompt_len = 0;
+  // Tokens [0, n) whose keys and values are already in the first pages the
+  // coordinator assigns to the sequence (its prefix cache: full pages only,
+  // so n is a multiple of the page size): the sequence starts at position n,
+  // the sampler has observed them (penalties, the generator's position), and
+  // the first forward feeds the tokens from n on. Empty: nothing cached.
+  std::vector<int32_t> cached_prefix{};
 };
 
 }  // namespace exl3serve::worker

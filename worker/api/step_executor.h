@@ -59,6 +59,16 @@ struct KvCacheOptions {
   bool caller_assigns_pages = false;
 };
 
+// One KV block moved between a page of every rank's cache and a slot of
+// every rank's disk tier (the prefix cache's second tier,
+// worker/model/kv_disk_tier.h; the coordinator places both, like pages).
+struct KvBlockTransfer {
+  int32_t page = 0;
+  int64_t slot = 0;
+  uint64_t hash_hi = 0;  // the block's prefix hash (coordinator/block_pool.h)
+  uint64_t hash_lo = 0;
+};
+
 // Thread safety: one caller at a time.
 class StepExecutor {
  public:
@@ -104,6 +114,21 @@ class StepExecutor {
                                       std::span<const uint8_t> sample,
                                       std::vector<SampledToken>* tokens) {
     return absl::UnimplementedError("this executor does not sample on its ranks");
+  }
+
+  // The disk tier (kv_disk_tier.h) of every rank. SaveKvBlocks copies each
+  // page's bytes to its slot (written asynchronously; a save the rank cannot
+  // take is dropped, and that slot is later a miss) and must run before the
+  // pages are reused. LoadKvBlocks reads each slot into its page — a page no
+  // sequence holds — and sets (*loaded)[i] = 1 iff entry i was verified
+  // (hash and checksums) on every rank; a miss leaves the page unspecified.
+  // Unimplemented where there is no disk tier.
+  virtual absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) {
+    return absl::UnimplementedError("this executor has no KV disk tier");
+  }
+  virtual absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
+                                    std::vector<uint8_t>* loaded) {
+    return absl::UnimplementedError("this executor has no KV disk tier");
   }
 
   // Bytes of step results received from the ranks so far (what crossed

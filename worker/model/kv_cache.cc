@@ -107,6 +107,7 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
   cache.free_pages_.reserve(options.num_pages);
   for (int64_t p = options.num_pages - 1; p >= 0; --p) cache.free_pages_.push_back(p);
   cache.owner_.assign(static_cast<size_t>(options.num_pages), -1);
+  cache.refs_.assign(static_cast<size_t>(options.num_pages), 0);
   return cache;
 }
 
@@ -144,10 +145,23 @@ const PagedKvCache::Sequence& PagedKvCache::Get(int64_t seq_id) const {
   return it->second;
 }
 
-absl::Status PagedKvCache::AddSequence(int64_t seq_id) {
-  if (!sequences_.try_emplace(seq_id).second) {
+absl::Status PagedKvCache::AddSequence(int64_t seq_id, int64_t cached_length) {
+  const int64_t positions = options_.num_pages * options_.page_size_tokens;
+  if (cached_length < 0 || cached_length > positions) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: sequence ", seq_id, ": cached length ",
+                                                   cached_length, " is outside [0, ", positions,
+                                                   "] (the pool's positions)"));
+  }
+  if (cached_length > 0 && !options_.caller_assigns_pages) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("kv cache: sequence ", seq_id,
+                     ": a cached prefix needs pages assigned by the caller (caller_assigns_pages)"));
+  }
+  auto [it, inserted] = sequences_.try_emplace(seq_id);
+  if (!inserted) {
     return absl::AlreadyExistsError(absl::StrCat("kv cache: sequence ", seq_id, " already exists"));
   }
+  it->second.length = cached_length;
   return absl::OkStatus();
 }
 
@@ -157,8 +171,10 @@ absl::Status PagedKvCache::RemoveSequence(int64_t seq_id) {
     return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
   }
   for (int64_t page : it->second.pages) {
-    free_pages_.push_back(page);
-    owner_[page] = -1;
+    if (--refs_[page] == 0) {
+      free_pages_.push_back(page);
+      owner_[page] = -1;
+    }
   }
   sequences_.erase(it);
   return absl::OkStatus();
@@ -177,6 +193,21 @@ absl::Status PagedKvCache::Reserve(int64_t seq_id, int64_t capacity) {
   std::vector<int64_t>& pages = it->second.pages;
   const int64_t page = options_.page_size_tokens;
   const int64_t needed = (capacity + page - 1) / page - static_cast<int64_t>(pages.size());
+  if (options_.caller_assigns_pages) {
+    // The positions written next, [length, capacity), must be this
+    // sequence's alone: a shared prefix page is read-only.
+    const int64_t first = it->second.length / page;
+    const int64_t last = std::min<int64_t>((capacity + page - 1) / page,
+                                           static_cast<int64_t>(pages.size()));
+    for (int64_t i = first; i < last; ++i) {
+      if (refs_[pages[i]] > 1) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "kv cache: sequence ", seq_id, " would write positions [", it->second.length, ", ",
+            capacity, ") into page ", pages[i], ", which ", refs_[pages[i]] - 1,
+            " other sequence(s) share as a cached prefix"));
+      }
+    }
+  }
   if (needed <= 0) return absl::OkStatus();
   if (options_.caller_assigns_pages) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -193,6 +224,7 @@ absl::Status PagedKvCache::Reserve(int64_t seq_id, int64_t capacity) {
   for (int64_t i = 0; i < needed; ++i) {
     pages.push_back(free_pages_.back());
     owner_[free_pages_.back()] = seq_id;
+    refs_[free_pages_.back()] = 1;
     free_pages_.pop_back();
   }
   return absl::OkStatus();
@@ -204,6 +236,8 @@ absl::Status PagedKvCache::AssignPages(int64_t seq_id, std::span<const int32_t> 
     return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
   }
   // Validate everything first: all or nothing.
+  const Sequence& seq = it->second;
+  const int64_t page_size = options_.page_size_tokens;
   for (size_t i = 0; i < page_ids.size(); ++i) {
     const int64_t page = page_ids[i];
     if (page < 0 || page >= options_.num_pages) {
@@ -211,7 +245,15 @@ absl::Status PagedKvCache::AssignPages(int64_t seq_id, std::span<const int32_t> 
           absl::StrCat("kv cache: sequence ", seq_id, ": page ", page, " is outside [0, ",
                        options_.num_pages, ") (kv_cache.num_pages of this rank)"));
     }
-    if (owner_[page] != -1) {
+    if (std::find(seq.pages.begin(), seq.pages.end(), page) != seq.pages.end()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kv cache: sequence ", seq_id, ": page ", page, " is already used by sequence ", seq_id));
+    }
+    // Table index of this page: read-only (shareable) when it ends inside
+    // the cached prefix the sequence started with.
+    const int64_t index = static_cast<int64_t>(seq.pages.size() + i);
+    const bool in_cached_prefix = (index + 1) * page_size <= seq.length;
+    if (refs_[page] != 0 && !in_cached_prefix) {
       return absl::FailedPreconditionError(absl::StrCat("kv cache: sequence ", seq_id, ": page ",
                                                         page, " is already used by sequence ",
                                                         owner_[page]));
@@ -227,7 +269,9 @@ absl::Status PagedKvCache::AssignPages(int64_t seq_id, std::span<const int32_t> 
   for (int32_t page : page_ids) {
     owner_[page] = seq_id;
     pages.push_back(page);
-    free_pages_.erase(std::find(free_pages_.begin(), free_pages_.end(), int64_t{page}));
+    if (refs_[page]++ == 0) {
+      free_pages_.erase(std::find(free_pages_.begin(), free_pages_.end(), int64_t{page}));
+    }
   }
   return absl::OkStatus();
 }

@@ -19,6 +19,16 @@
 //   kInt4 — symmetric 4-bit in [-7, 7] (two per byte), one fp32 scale absmax/7.
 // Reading returns exactly the stored values converted to float, so a position
 // reads back the same whether it was written in a chunk or alone.
+//
+// Shared prefix pages (the coordinator's prefix cache, coordinator/block_pool.h):
+// a sequence added with a cached length n starts at Length n, and the first
+// pages it is assigned may already be held by other sequences (or by none:
+// a freed page keeps what was written in it until it is written again, and
+// with caller_assigns_pages only the coordinator decides when that is). A
+// page is shared read-only: AssignPages accepts a page in use only where it
+// lies wholly inside the sequence's cached prefix, and Reserve refuses to let
+// a sequence write into a page another sequence also holds. Every page has a
+// reference count; it returns to the pool when the last holder is removed.
 #ifndef EXL3SERVE_WORKER_MODEL_KV_CACHE_H_
 #define EXL3SERVE_WORKER_MODEL_KV_CACHE_H_
 
@@ -60,9 +70,14 @@ class PagedKvCache {
   int64_t free_pages() const { return static_cast<int64_t>(free_pages_.size()); }
   int64_t bytes_per_page() const { return bytes_per_page_; }
 
-  // AlreadyExists when `seq_id` is in use.
-  absl::Status AddSequence(int64_t seq_id);
-  // Returns the sequence's pages to the pool. NotFound for an unknown id.
+  // AlreadyExists when `seq_id` is in use. `cached_length` > 0: positions
+  // [0, cached_length) are already stored in the pages the caller assigns
+  // next (a shared prefix): the sequence starts at that length, and the first
+  // forward writes from there. InvalidArgument for a cached_length outside
+  // [0, num_pages * page_size_tokens] or > 0 without caller_assigns_pages.
+  absl::Status AddSequence(int64_t seq_id, int64_t cached_length = 0);
+  // Drops the sequence's hold on its pages; a page no other sequence holds
+  // returns to the pool. NotFound for an unknown id.
   absl::Status RemoveSequence(int64_t seq_id);
   bool HasSequence(int64_t seq_id) const { return sequences_.contains(seq_id); }
   // Committed positions of the sequence (0 for an unknown id).
@@ -73,20 +88,36 @@ class PagedKvCache {
   // needed and free; kv_cache.num_pages changes it) when the pool is short;
   // then nothing is taken. With options().caller_assigns_pages it never takes
   // a page: OK when the assigned pages cover `capacity`, else
-  // FailedPrecondition naming the pages held and needed.
+  // FailedPrecondition naming the pages held and needed; FailedPrecondition
+  // too when a page covering positions [Length, capacity) — the ones the
+  // forward writes — is shared with another sequence.
   absl::Status Reserve(int64_t seq_id, int64_t capacity);
 
   // Appends the given pages, in order, to the sequence's page table (the
   // caller's allocation: the coordinator's block table of the sequence).
-  // All or nothing. Errors: NotFound for an unknown id; InvalidArgument
-  // naming the first page id outside [0, num_pages) or repeated in
-  // `page_ids`; FailedPrecondition naming the first page already used (by
-  // this or another sequence; "sequence S" in the message).
+  // All or nothing. A page held by other sequences is accepted only at a
+  // table index wholly inside the sequence's cached prefix (AddSequence's
+  // cached_length): it is then shared. Errors: NotFound for an unknown id;
+  // InvalidArgument naming the first page id outside [0, num_pages) or
+  // repeated in `page_ids`; FailedPrecondition naming the first page already
+  // used by this sequence, or by another one outside the cached prefix
+  // ("sequence S" in the message).
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids);
 
   // The sequence's page table (page ids in position order); empty for an
   // unknown id.
   std::vector<int64_t> PageTable(int64_t seq_id) const;
+  // Sequences holding `page` (0 for a free page). Requires: page in range.
+  int32_t PageRefs(int64_t page) const { return refs_[static_cast<size_t>(page)]; }
+
+  // The raw bytes of one page (every layer's entries, bytes_per_page()): what
+  // the disk tier (kv_disk_tier.h) saves and loads. Requires: page in range.
+  std::span<const uint8_t> PageBytes(int64_t page) const {
+    return {pool_.data() + page * bytes_per_page_, static_cast<size_t>(bytes_per_page_)};
+  }
+  std::span<uint8_t> MutablePageBytes(int64_t page) {
+    return {pool_.data() + page * bytes_per_page_, static_cast<size_t>(bytes_per_page_)};
+  }
 
   // Stores keys and values of positions [start, start + count) of `layer`;
   // k and v are [count][num_kv_heads][head_dim]. Requires: the sequence
@@ -122,7 +153,9 @@ class PagedKvCache {
   // (int formats: the fp32 scale, then the values).
   std::vector<uint8_t> pool_;
   std::vector<int64_t> free_pages_;
-  // Owner of every page (-1 = free); kept in step with free_pages_.
+  // Holders of every page (0 = free, in free_pages_) and the latest one
+  // (for error messages; -1 = free).
+  std::vector<int32_t> refs_;
   std::vector<int64_t> owner_;
   absl::flat_hash_map<int64_t, Sequence> sequences_;
 };

@@ -47,7 +47,8 @@ absl::Status LocalStepExecutor::AddSampledSequence(int64_t seq_id,
   if (sampler_.HasSequence(seq_id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq_id, " already exists"));
   }
-  EXL3_RETURN_IF_ERROR(cache_->AddSequence(seq_id));
+  EXL3_RETURN_IF_ERROR(
+      cache_->AddSequence(seq_id, static_cast<int64_t>(sampling.cached_prefix.size())));
   if (absl::Status s = sampler_.AddSequence(seq_id, sampling); !s.ok()) {
     (void)cache_->RemoveSequence(seq_id);
     return s;

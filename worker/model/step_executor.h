@@ -18,6 +18,7 @@
 #include "absl/time/time.h"
 #include "worker/api/step_executor.h"
 #include "worker/model/kv_cache.h"
+#include "worker/model/kv_disk_tier.h"
 #include "worker/model/transformer.h"
 #include "worker/model/vocab_sampler.h"
 
@@ -69,6 +70,21 @@ class LocalStepExecutor final : public StepExecutor {
   }
   std::optional<KvCacheOptions> kv_options() const override { return cache_->options(); }
   PagedKvCache& cache() { return *cache_; }
+  // The prefix cache's disk tier of this process (null = none: Save/Load
+  // are Unimplemented).
+  void set_disk_tier(std::unique_ptr<KvDiskTier> tier) { disk_tier_ = std::move(tier); }
+  KvDiskTier* disk_tier() const { return disk_tier_.get(); }
+  absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) override {
+    if (disk_tier_ == nullptr) return StepExecutor::SaveKvBlocks(saves);
+    SaveKvBlocksToDisk(*cache_, disk_tier_.get(), saves);
+    return absl::OkStatus();
+  }
+  absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override {
+    if (disk_tier_ == nullptr) return StepExecutor::LoadKvBlocks(loads, loaded);
+    LoadKvBlocksFromDisk(cache_, disk_tier_.get(), loads, loaded);
+    return absl::OkStatus();
+  }
 
  private:
   const Transformer* model_;
@@ -76,6 +92,7 @@ class LocalStepExecutor final : public StepExecutor {
   PagedKvCache* cache_;
   VocabSampler sampler_;
   std::vector<float> slice_;  // scratch of ForwardSampled
+  std::unique_ptr<KvDiskTier> disk_tier_;
 };
 
 }  // namespace exl3serve::worker

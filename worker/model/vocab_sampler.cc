@@ -149,12 +149,22 @@ absl::Status VocabSampler::AddSequence(int64_t seq_id, const SequenceSampling& s
     return absl::InvalidArgumentError(absl::StrCat("prompt_len must be >= 0, got ",
                                                    sampling.prompt_len));
   }
+  for (int32_t id : sampling.cached_prefix) {
+    if (id < 0 || id >= vocab_) {
+      return absl::InvalidArgumentError(absl::StrCat("cached prefix token id ", id,
+                                                     " is outside the vocabulary [0, ", vocab_,
+                                                     ")"));
+    }
+  }
   Sequence seq;
   seq.params = sampling.params;
   seq.prompt_len = sampling.prompt_len;
   if (!seqs_.emplace(seq_id, std::move(seq)).second) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq_id, " already samples"));
   }
+  // The cached prefix is never forwarded here: observe it now, as if it had
+  // been (the same counts and generator position as without the cache).
+  Observe(seq_id, sampling.cached_prefix);
   return absl::OkStatus();
 }
 

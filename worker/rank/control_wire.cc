@@ -232,6 +232,7 @@ void EncodeSequenceSampling(const SequenceSampling& sampling, WireWriter* w) {
     w->I32(id);
     w->F32(bias);
   }
+  w->I32s(sampling.cached_prefix.data(), sampling.cached_prefix.size());
 }
 
 absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out) {
@@ -263,6 +264,34 @@ absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out) {
     p.logit_bias.emplace_back(id, bias);
   }
   if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated logit_bias");
+  out->cached_prefix = in->I32s();
+  if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated cached prefix");
+  return absl::OkStatus();
+}
+
+void EncodeKvBlockTransfers(std::span<const KvBlockTransfer> transfers, WireWriter* w) {
+  w->U32(static_cast<uint32_t>(transfers.size()));
+  for (const KvBlockTransfer& t : transfers) {
+    w->I32(t.page);
+    w->I64(t.slot);
+    w->U64(t.hash_hi);
+    w->U64(t.hash_lo);
+  }
+}
+
+absl::Status DecodeKvBlockTransfers(WireReader* in, std::vector<KvBlockTransfer>* out) {
+  const uint32_t n = in->U32();
+  if (!in->ok() || n > in->rest().size() / 28) {
+    return absl::InvalidArgumentError("kv block transfers: truncated or oversized list");
+  }
+  out->resize(n);
+  for (KvBlockTransfer& t : *out) {
+    t.page = in->I32();
+    t.slot = in->I64();
+    t.hash_hi = in->U64();
+    t.hash_lo = in->U64();
+  }
+  if (!in->ok()) return absl::InvalidArgumentError("kv block transfers: truncated");
   return absl::OkStatus();
 }
 

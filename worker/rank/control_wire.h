@@ -19,13 +19,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "worker/api/step_executor.h"
 #include "worker/model/vocab_sampler.h"
 
 namespace exl3serve::worker::rank {
 
 // 2: forwards carry the pages the driver assigned; the hello reports the KV layout.
 // 3: sequences that sample on the ranks (kAddSampledSequence, kForwardSampled).
-inline constexpr uint32_t kControlWireVersion = 3;
+inline constexpr uint32_t kControlWireVersion = 4;  // 4: prefix cache (cached prefix, KV disk tier)
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
@@ -38,7 +39,10 @@ enum class ControlOp : uint8_t {
   kAddSampledSequence = 5,  // i64 seq_id, then EncodeSequenceSampling
   kForwardSampled = 6,      // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample};
                             // rank 0 replies EncodeSampledTokens of the n entries
+  kSaveKvBlocks = 7,        // EncodeKvBlockTransfers; pages -> disk-tier slots
+  kLoadKvBlocks = 8,        // EncodeKvBlockTransfers; rank 0 replies u8[] loaded flags
 };
+
 
 class WireWriter {
  public:
@@ -108,6 +112,10 @@ absl::StatusOr<std::string> ReadFrame(int fd, absl::Time deadline);
 // A status as bytes (code + message) and back.
 void WriteStatus(WireWriter& w, const absl::Status& status);
 absl::Status ReadStatus(WireReader& r);
+
+// KvBlockTransfer lists (u32 n, n x {i32 page, i64 slot, u64 hash_hi, u64 hash_lo}).
+void EncodeKvBlockTransfers(std::span<const KvBlockTransfer> transfers, WireWriter* w);
+absl::Status DecodeKvBlockTransfers(WireReader* in, std::vector<KvBlockTransfer>* out);
 
 }  // namespace exl3serve::worker::rank
 

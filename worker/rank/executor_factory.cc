@@ -35,6 +35,14 @@ class OwningLocalExecutor final : public StepExecutor {
     return inner_.AssignPages(seq_id, page_ids);
   }
   std::optional<KvCacheOptions> kv_options() const override { return inner_.kv_options(); }
+  absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) override {
+    return inner_.SaveKvBlocks(saves);
+  }
+  absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override {
+    return inner_.LoadKvBlocks(loads, loaded);
+  }
+  LocalStepExecutor& inner() { return inner_; }
 
  private:
   std::unique_ptr<Transformer> model_;  // declared first: outlives inner_
@@ -61,7 +69,16 @@ absl::StatusOr<LocalExecutor> CreateLocalExecutor(const LocalExecutorOptions& op
     KvCacheOptions kv = options.kv;
     kv.caller_assigns_pages = true;
     EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, model->CreateKvCache(kv));
-    out.executor = std::make_unique<OwningLocalExecutor>(std::move(model), std::move(cache));
+    auto owning = std::make_unique<OwningLocalExecutor>(std::move(model), std::move(cache));
+    if (options.kv_disk_slots > 0) {
+      EXL3_ASSIGN_OR_RETURN(
+          std::unique_ptr<KvDiskTier> tier,
+          KvDiskTier::Open({.path = KvDiskPathOfRank(options.kv_disk_path, 0),
+                            .slots = options.kv_disk_slots,
+                            .slot_bytes = owning->inner().cache().bytes_per_page()}));
+      owning->inner().set_disk_tier(std::move(tier));
+    }
+    out.executor = std::move(owning);
     return out;
   }
   EXL3_ASSIGN_OR_RETURN(out.facts, ReadModelFacts(options.model_dir));
@@ -80,6 +97,8 @@ absl::StatusOr<LocalExecutor> CreateLocalExecutor(const LocalExecutorOptions& op
   group.capacities = options.capacities;
   group.prefill_precision = options.prefill_precision;
   group.decode_precision = options.decode_precision;
+  group.kv_disk_path = options.kv_disk_path;
+  group.kv_disk_slots = options.kv_disk_slots;
   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<LocalGroup> local, LocalGroup::Start(group));
   const LocalGroup* ranks_of = local.get();
   out.rank_state = [ranks_of] {

@@ -48,6 +48,10 @@ struct LocalExecutorOptions {
   // Every rank's cache (caller_assigns_pages is forced on: the caller's block
   // tables place every sequence).
   KvCacheOptions kv;
+  // The prefix cache's disk tier of every rank (RankSetup::kv_disk_*):
+  // kv_disk_slots 0 = none.
+  std::string kv_disk_path;
+  int64_t kv_disk_slots = 0;
   absl::Duration step_timeout = absl::Seconds(60);
   int metrics_port = 0;  // rank r serves /metrics on metrics_port + r; 0 = off
   std::string metrics_host = "127.0.0.1";

@@ -165,6 +165,10 @@ absl::StatusOr<std::unique_ptr<LocalGroup>> LocalGroup::Start(const LocalGroupOp
     }
     if (options.spill.extract) args.push_back("--spill-extract");
     if (options.kv.caller_assigns_pages) args.push_back("--kv-assigned");
+    if (options.kv_disk_slots > 0) {
+      args.insert(args.end(), {"--kv-disk-path", options.kv_disk_path, "--kv-disk-blocks",
+                               absl::StrCat(options.kv_disk_slots)});
+    }
     args.insert(args.end(), {"--prefill-precision", GemmPrecisionName(options.prefill_precision),
                              "--decode-precision", GemmPrecisionName(options.decode_precision)});
     if (!options.capacities.empty()) {
@@ -397,6 +401,34 @@ absl::Status LocalGroup::ForwardSampled(std::span<const SequenceTokens> batch,
   if (s.ok()) s = in.Finish("rank 0 sampled tokens");
   if (s.ok() && tokens->size() != batch.size()) {
     s = absl::InvalidArgumentError("rank 0 answered for another batch size");
+  }
+  if (!s.ok()) return Break(absl::DataLossError(s.message()));
+  return absl::OkStatus();
+}
+
+absl::Status LocalGroup::SaveKvBlocks(std::span<const KvBlockTransfer> saves) {
+  if (options_.kv_disk_slots <= 0) return StepExecutor::SaveKvBlocks(saves);
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kSaveKvBlocks));
+  EncodeKvBlockTransfers(saves, &w);
+  return RoundTrip(w.data(), step_timeout_, nullptr);
+}
+
+absl::Status LocalGroup::LoadKvBlocks(std::span<const KvBlockTransfer> loads,
+                                      std::vector<uint8_t>* loaded) {
+  if (options_.kv_disk_slots <= 0) return StepExecutor::LoadKvBlocks(loads, loaded);
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kLoadKvBlocks));
+  EncodeKvBlockTransfers(loads, &w);
+  std::string body;
+  EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
+  WireReader in(body);
+  const uint32_t n = in.U32();
+  loaded->resize(n);
+  for (uint8_t& flag : *loaded) flag = in.U8();
+  absl::Status s = in.Finish("rank 0 loaded flags");
+  if (s.ok() && loaded->size() != loads.size()) {
+    s = absl::InvalidArgumentError("rank 0 answered for another number of loads");
   }
   if (!s.ok()) return Break(absl::DataLossError(s.message()));
   return absl::OkStatus();

@@ -55,6 +55,10 @@ struct LocalGroupOptions {
   std::vector<std::vector<std::string>> rank_wrappers;
   int threads_per_rank = 1;
   KvCacheOptions kv;
+  // The prefix cache's disk tier of every rank (worker --kv-disk-path /
+  // --kv-disk-blocks; "{rank}" in the path is the rank). 0 slots = none.
+  std::string kv_disk_path;
+  int64_t kv_disk_slots = 0;
   absl::Duration load_timeout = absl::Minutes(5);
   absl::Duration step_timeout = absl::Seconds(60);
   // Row tables every rank reads from disk (worker --spill-* flags; each rank
@@ -107,6 +111,9 @@ class LocalGroup final : public StepExecutor {
   // (needs options.kv.caller_assigns_pages for the ranks to rely on them
   // alone). Unavailable once the group is broken.
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
+  absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) override;
+  absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override;
   std::optional<KvCacheOptions> kv_options() const override { return options_.kv; }
 
   // Replaces a broken group with new rank processes started from the same

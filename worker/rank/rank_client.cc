@@ -261,6 +261,8 @@ class Session {
     // The coordinator's block tables place every sequence (rank.proto): this
     // rank never takes a page on its own.
     rank_setup.kv.caller_assigns_pages = true;
+    rank_setup.kv_disk_path = setup.kv().disk_path();
+    rank_setup.kv_disk_slots = setup.kv().disk_blocks();
     if (setup.join_timeout_ms() > 0) {
       rank_setup.join_timeout = absl::Milliseconds(setup.join_timeout_ms());
     }
@@ -386,13 +388,17 @@ class Session {
       }
       std::vector<float> logits;
       std::vector<SampledToken> sampled;
+      std::vector<uint8_t> kv_loaded;
       absl::Duration forward_time;
       if (status.ok()) {
         const absl::Time forward_start = absl::Now();
-        status = ExecuteRankCommand(loaded, command, &logits, &sampled);
+        status = ExecuteRankCommand(loaded, command, &logits, &sampled, &kv_loaded);
         forward_time = absl::Now() - forward_start;
       }
       SetStatus(status, result->mutable_status());
+      if (status.ok() && loaded.rank == 0 && command.op == RankCommand::Op::kLoadKvBlocks) {
+        result->set_kv_blocks_loaded(std::string(kv_loaded.begin(), kv_loaded.end()));
+      }
       if (status.ok() && loaded.rank == 0 && command.op == RankCommand::Op::kForward) {
         if (!command.batch_sample.empty()) {
           for (size_t i = 0; i < sampled.size(); ++i) {

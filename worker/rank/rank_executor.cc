@@ -61,21 +61,57 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
   loaded.bytes_read = loaded.model->bytes_read();
   EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, loaded.model->CreateKvCache(setup.kv));
   loaded.cache.emplace(std::move(cache));
+  loaded.collective_timeout = setup.collective_timeout;
+  if (setup.kv_disk_slots > 0) {
+    EXL3_ASSIGN_OR_RETURN(loaded.disk_tier,
+                          KvDiskTier::Open({.path = KvDiskPathOfRank(setup.kv_disk_path, setup.rank),
+                                            .slots = setup.kv_disk_slots,
+                                            .slot_bytes = loaded.cache->bytes_per_page()}));
+    EXL3_LOG(kInfo) << "rank " << setup.rank << ": KV disk tier " << loaded.disk_tier->options().path
+                    << ", " << setup.kv_disk_slots << " blocks of "
+                    << loaded.cache->bytes_per_page() << " bytes";
+  }
   loaded.sampler.emplace(MakeVocabSampler(*loaded.model));
   EXL3_RETURN_IF_ERROR(loaded.comm->Barrier(absl::Now() + setup.join_timeout));
   return loaded;
 }
 
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
-                                std::vector<float>* logits, std::vector<SampledToken>* tokens) {
+                                std::vector<float>* logits, std::vector<SampledToken>* tokens,
+                                std::vector<uint8_t>* loaded) {
   switch (command.op) {
+    case RankCommand::Op::kSaveKvBlocks:
+      SaveKvBlocksToDisk(*rank.cache, rank.disk_tier.get(), command.transfers);
+      if (rank.observer != nullptr && rank.disk_tier != nullptr) {
+        rank.observer->OnKvDiskTier(rank.disk_tier->stats());
+      }
+      return absl::OkStatus();
+    case RankCommand::Op::kLoadKvBlocks: {
+      std::vector<uint8_t> mine;
+      LoadKvBlocksFromDisk(&*rank.cache, rank.disk_tier.get(), command.transfers, &mine);
+      if (rank.comm != nullptr && rank.comm->world_size() > 1 && !mine.empty()) {
+        // A block is usable only if every rank has its shard of it.
+        std::vector<float> misses(mine.size());
+        for (size_t i = 0; i < mine.size(); ++i) misses[i] = mine[i] ? 0.0f : 1.0f;
+        EXL3_RETURN_IF_ERROR(rank.comm->AllReduce(misses.data(), misses.size(),
+                                                  comm::CommDataType::kF32,
+                                                  absl::Now() + rank.collective_timeout));
+        for (size_t i = 0; i < mine.size(); ++i) mine[i] = misses[i] == 0.0f ? 1 : 0;
+      }
+      if (rank.observer != nullptr && rank.disk_tier != nullptr) {
+        rank.observer->OnKvDiskTier(rank.disk_tier->stats());
+      }
+      if (loaded != nullptr) *loaded = std::move(mine);
+      return absl::OkStatus();
+    }
     case RankCommand::Op::kAddSequence: {
       if (!command.sampling.has_value()) return rank.cache->AddSequence(command.seq_id);
       if (rank.sampler->HasSequence(command.seq_id)) {
         return absl::AlreadyExistsError(
             absl::StrCat("sequence ", command.seq_id, " already exists"));
       }
-      EXL3_RETURN_IF_ERROR(rank.cache->AddSequence(command.seq_id));
+      EXL3_RETURN_IF_ERROR(rank.cache->AddSequence(
+          command.seq_id, static_cast<int64_t>(command.sampling->cached_prefix.size())));
       if (absl::Status s = rank.sampler->AddSequence(command.seq_id, *command.sampling);
           !s.ok()) {
         (void)rank.cache->RemoveSequence(command.seq_id);

@@ -24,6 +24,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/comm/timed_communicator.h"
 #include "worker/model/kv_cache.h"
+#include "worker/model/kv_disk_tier.h"
 #include "worker/model/transformer.h"
 #include "worker/model/step_executor.h"
 #include "worker/model/vocab_sampler.h"
@@ -47,6 +48,8 @@ class RankObserver : public comm::CollectiveObserver {
   // borrowed for the call only; a reloaded rank passes a new model whose
   // counters start again at zero. Default: ignored.
   virtual void OnModelCounters(const Transformer& model) {}
+  // After every disk-tier command: the tier's cumulative counters.
+  virtual void OnKvDiskTier(const KvDiskTierStats& stats) {}
 };
 
 // Everything a rank needs to join its group and load.
@@ -57,6 +60,11 @@ struct RankSetup {
   int expert_parallel = 0;  // sharding::ShardOptions::expert_parallel
   comm::CommSpec comm;
   KvCacheOptions kv;
+  // The prefix cache's disk tier: a file of kv_disk_slots pages at
+  // kv_disk_path ("{rank}" is replaced by the rank), created at load.
+  // kv_disk_slots 0 = none.
+  std::string kv_disk_path;
+  int64_t kv_disk_slots = 0;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
   // Which row-lookup tables (the token embedding) this rank reads from disk
@@ -89,6 +97,9 @@ struct LoadedRank {
   std::optional<PagedKvCache> cache;
   // Rank-side sampling over this rank's vocabulary slice (made by LoadRank).
   std::optional<VocabSampler> sampler;
+  // The prefix cache's disk tier (RankSetup::kv_disk_*); null = none.
+  std::unique_ptr<KvDiskTier> disk_tier;
+  absl::Duration collective_timeout = absl::Seconds(60);
   uint64_t bytes_read = 0;
   uint64_t planned_bytes = 0;
   RankObserver* observer = nullptr;  // RankSetup::observer
@@ -105,7 +116,7 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup);
 
 // One command of a driver, transport-neutral.
 struct RankCommand {
-  enum class Op { kAddSequence, kRemoveSequence, kForward };
+  enum class Op { kAddSequence, kRemoveSequence, kForward, kSaveKvBlocks, kLoadKvBlocks };
   Op op = Op::kForward;
   int64_t seq_id = 0;                  // kAddSequence, kRemoveSequence
   // kAddSequence: set for a sequence that samples on the ranks.
@@ -120,6 +131,8 @@ struct RankCommand {
   // kForward: non-empty = a sampled forward (RunSampledForward): one flag per
   // entry, the entries with a flag draw a token; no logits are returned.
   std::vector<uint8_t> batch_sample;
+  // kSaveKvBlocks / kLoadKvBlocks: pages <-> disk-tier slots.
+  std::vector<KvBlockTransfer> transfers;
 };
 
 // Executes `command` on `rank`. For kForward, the new pages are assigned
@@ -134,9 +147,13 @@ struct RankCommand {
 // A sampled forward (batch_sample non-empty) fills *tokens instead (every
 // rank draws the same tokens); `tokens` may be null on ranks that do not
 // report them.
+// kLoadKvBlocks sets *loaded (may be null on ranks that do not report):
+// entry i is 1 iff every rank verified it (an all-reduce of the misses over
+// the group, so every rank agrees).
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                 std::vector<float>* logits,
-                                std::vector<SampledToken>* tokens = nullptr);
+                                std::vector<SampledToken>* tokens = nullptr,
+                                std::vector<uint8_t>* loaded = nullptr);
 
 }  // namespace exl3serve::worker::rank
 

@@ -89,6 +89,20 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       if (rank.rank == 0) EncodeSampledTokens(tokens, reply);
       return absl::OkStatus();
     }
+    case ControlOp::kSaveKvBlocks:
+    case ControlOp::kLoadKvBlocks: {
+      const bool save = op == ControlOp::kSaveKvBlocks;
+      command.op = save ? RankCommand::Op::kSaveKvBlocks : RankCommand::Op::kLoadKvBlocks;
+      EXL3_RETURN_IF_ERROR(DecodeKvBlockTransfers(&in, &command.transfers));
+      EXL3_RETURN_IF_ERROR(in.Finish(save ? "save-kv-blocks" : "load-kv-blocks"));
+      std::vector<uint8_t> loaded;
+      EXL3_RETURN_IF_ERROR(ExecuteRankCommand(rank, command, nullptr, nullptr, &loaded));
+      if (!save && rank.rank == 0) {
+        reply->U32(static_cast<uint32_t>(loaded.size()));
+        for (uint8_t flag : loaded) reply->U8(flag);
+      }
+      return absl::OkStatus();
+    }
     case ControlOp::kShutdown:
       EXL3_RETURN_IF_ERROR(in.Finish("shutdown"));
       *shutdown = true;
@@ -109,6 +123,8 @@ absl::Status RunRankServer(const RankServerOptions& options) {
   setup.expert_parallel = options.expert_parallel;
   setup.comm = options.comm;
   setup.kv = options.kv;
+  setup.kv_disk_path = options.kv_disk_path;
+  setup.kv_disk_slots = options.kv_disk_slots;
   setup.join_timeout = options.join_timeout;
   setup.collective_timeout = options.collective_timeout;
   setup.spill = options.spill;

@@ -39,6 +39,8 @@ struct RankServerOptions {
   int control_fd = -1;      // this rank's end of the driver's socketpair
   int threads = 1;          // kernel threads of this process
   KvCacheOptions kv;
+  std::string kv_disk_path;  // RankSetup::kv_disk_*
+  int64_t kv_disk_slots = 0;
   absl::Duration join_timeout = absl::Seconds(60);
   absl::Duration collective_timeout = absl::Seconds(60);
   // Row tables read from disk (RankSetup::spill).

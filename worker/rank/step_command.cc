@@ -31,12 +31,28 @@ absl::StatusOr<RankCommand> RankCommandFromStep(const pb::Step& step, uint64_t g
       command.seq_id = step.add_sequence().seq_id();
       if (step.add_sequence().has_sampling()) {
         command.sampling = SamplingFromProto(step.add_sequence().sampling());
+        const auto& cached = step.add_sequence().cached_prefix_ids();
+        command.sampling->cached_prefix.assign(cached.begin(), cached.end());
+      } else if (step.add_sequence().cached_prefix_ids_size() > 0) {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            "step ", step.step_id(), ": a cached prefix without sampling parameters"));
       }
       break;
     case pb::Step::kRemoveSequence:
       command.op = RankCommand::Op::kRemoveSequence;
       command.seq_id = step.remove_sequence().seq_id();
       break;
+    case pb::Step::kSaveKvBlocks:
+    case pb::Step::kLoadKvBlocks: {
+      const bool save = step.op_case() == pb::Step::kSaveKvBlocks;
+      command.op = save ? RankCommand::Op::kSaveKvBlocks : RankCommand::Op::kLoadKvBlocks;
+      for (const pb::KvBlockTransfer& t :
+           (save ? step.save_kv_blocks() : step.load_kv_blocks()).blocks()) {
+        command.transfers.push_back(
+            {.page = t.page(), .slot = t.slot(), .hash_hi = t.hash_hi(), .hash_lo = t.hash_lo()});
+      }
+      break;
+    }
     case pb::Step::kForward: {
       command.op = RankCommand::Op::kForward;
       const pb::ForwardBatch& forward = step.forward();
