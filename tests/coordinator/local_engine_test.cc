@@ -553,9 +553,12 @@ class DyingExecutor final : public worker::StepExecutor {
 // exactly the list of pages the engine assigned to it (from the scheduler's
 // block table), that no page is assigned to two live sequences, and that the
 // cache's free pages are the rest.
-class PageAuditExecutor final : public worker::StepExecutor {
+// The in-process model with a cache whose pages the caller assigns (as
+// every rank's), forwarding every call; the test executors below override
+// what they watch or break.
+class ForwardingExecutor : public worker::StepExecutor {
  public:
-  explicit PageAuditExecutor(const worker::KvCacheOptions& kv) : num_pages_(kv.num_pages) {
+  explicit ForwardingExecutor(const worker::KvCacheOptions& kv) {
     worker::KvCacheOptions assigned = kv;
     assigned.caller_assigns_pages = true;
     auto cache = model->transformer->CreateKvCache(assigned);
@@ -568,6 +571,38 @@ class PageAuditExecutor final : public worker::StepExecutor {
     return inner_->kv_options();
   }
   absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
+  absl::Status RemoveSequence(int64_t id) override { return inner_->RemoveSequence(id); }
+  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
+    return inner_->AssignPages(id, pages);
+  }
+  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
+    return inner_->AddSampledSequence(id, s);
+  }
+  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
+                              std::span<const uint8_t> sample,
+                              std::vector<worker::SampledToken>* tokens) override {
+    return inner_->ForwardSampled(batch, sample, tokens);
+  }
+  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
+                       std::vector<float>* logits) override {
+    return inner_->Forward(batch, rows, logits);
+  }
+  absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override {
+    return inner_->SaveKvBlocks(saves);
+  }
+  absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
+                            std::vector<uint8_t>* loaded) override {
+    return inner_->LoadKvBlocks(loads, loaded);
+  }
+
+ protected:
+  std::unique_ptr<worker::LocalStepExecutor> inner_;
+};
+
+class PageAuditExecutor final : public ForwardingExecutor {
+ public:
+  explicit PageAuditExecutor(const worker::KvCacheOptions& kv)
+      : ForwardingExecutor(kv), num_pages_(kv.num_pages) {}
   absl::Status RemoveSequence(int64_t id) override {
     assigned_.erase(id);
     return inner_->RemoveSequence(id);
@@ -577,9 +612,6 @@ class PageAuditExecutor final : public worker::StepExecutor {
     table.insert(table.end(), pages.begin(), pages.end());
     pages_assigned_ += static_cast<int64_t>(pages.size());
     return inner_->AssignPages(id, pages);
-  }
-  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
-    return inner_->AddSampledSequence(id, s);
   }
   absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
                               std::span<const uint8_t> sample,
@@ -623,7 +655,6 @@ class PageAuditExecutor final : public worker::StepExecutor {
 
  private:
   const int64_t num_pages_;
-  std::unique_ptr<worker::LocalStepExecutor> inner_;
   std::map<int64_t, std::vector<int64_t>> assigned_;  // scheduler thread only
   std::atomic<int64_t> mismatches_{0}, pages_assigned_{0}, audited_forwards_{0};
   std::atomic<int64_t> shared_pages_seen_{0};
@@ -933,44 +964,15 @@ TEST_F(LocalEngineTest, PrefixCacheGivesTheSameTokensAsRecomputingEveryPrompt) {
 // An in-process model with a real disk tier (worker/model/kv_disk_tier.h)
 // whose file is corrupted under it: before every load, the slot of every
 // second block loaded has one data byte flipped on disk.
-class CorruptingDiskExecutor final : public worker::StepExecutor {
+class CorruptingDiskExecutor final : public ForwardingExecutor {
  public:
   CorruptingDiskExecutor(const worker::KvCacheOptions& kv, const std::string& path,
                          int64_t slots, bool corrupt)
-      : corrupt_(corrupt) {
-    worker::KvCacheOptions assigned = kv;
-    assigned.caller_assigns_pages = true;
-    auto cache = model->transformer->CreateKvCache(assigned);
-    EXPECT_TRUE(cache.ok());
-    inner_ = std::make_unique<worker::LocalStepExecutor>(model->transformer.get(),
-                                                         std::move(*cache));
+      : ForwardingExecutor(kv), path_(path), corrupt_(corrupt) {
     auto tier = worker::KvDiskTier::Open(
         {.path = path, .slots = slots, .slot_bytes = inner_->cache().bytes_per_page()});
     EXPECT_TRUE(tier.ok()) << tier.status();
     inner_->set_disk_tier(std::move(*tier));
-    path_ = path;
-  }
-  int64_t vocab_size() const override { return inner_->vocab_size(); }
-  std::optional<worker::KvCacheOptions> kv_options() const override { return inner_->kv_options(); }
-  absl::Status AddSequence(int64_t id) override { return inner_->AddSequence(id); }
-  absl::Status RemoveSequence(int64_t id) override { return inner_->RemoveSequence(id); }
-  absl::Status AssignPages(int64_t id, std::span<const int32_t> pages) override {
-    return inner_->AssignPages(id, pages);
-  }
-  absl::Status AddSampledSequence(int64_t id, const worker::SequenceSampling& s) override {
-    return inner_->AddSampledSequence(id, s);
-  }
-  absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
-                              std::span<const uint8_t> sample,
-                              std::vector<worker::SampledToken>* tokens) override {
-    return inner_->ForwardSampled(batch, sample, tokens);
-  }
-  absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
-                       std::vector<float>* logits) override {
-    return inner_->Forward(batch, rows, logits);
-  }
-  absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override {
-    return inner_->SaveKvBlocks(saves);
   }
   absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
                             std::vector<uint8_t>* loaded) override {
@@ -994,7 +996,6 @@ class CorruptingDiskExecutor final : public worker::StepExecutor {
   worker::KvDiskTierStats disk_stats() const { return inner_->disk_tier()->stats(); }
 
  private:
-  std::unique_ptr<worker::LocalStepExecutor> inner_;
   std::string path_;
   bool corrupt_;
   int64_t loads_seen_ = 0;
