@@ -212,6 +212,16 @@ absl::Status RunChatBench(v1::Generation::Stub& stub, const ChatOptions& o,
               static_cast<unsigned long long>(queried), queried > 0 ? 100.0 * hits / queried : 0.0,
               static_cast<unsigned long long>(after.prefix_cache_evicted_blocks() -
                                               before.prefix_cache_evicted_blocks()));
+  if (after.prefix_cache_disk_capacity_blocks() > 0) {
+    auto delta = [](uint64_t a, uint64_t b) { return static_cast<unsigned long long>(a - b); };
+    std::printf("  %-28s %llu blocks saved, %llu hit, %llu missed (%llu of %llu slots used)\n",
+                "prefix cache disk tier",
+                delta(after.prefix_cache_disk_saved_blocks(), before.prefix_cache_disk_saved_blocks()),
+                delta(after.prefix_cache_disk_hit_blocks(), before.prefix_cache_disk_hit_blocks()),
+                delta(after.prefix_cache_disk_miss_blocks(), before.prefix_cache_disk_miss_blocks()),
+                static_cast<unsigned long long>(after.prefix_cache_disk_used_blocks()),
+                static_cast<unsigned long long>(after.prefix_cache_disk_capacity_blocks()));
+  }
   if (ok == 0) return absl::UnavailableError(absl::StrCat("every stream failed: ", first_error));
   return absl::OkStatus();
 }

@@ -315,12 +315,12 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
         Print("\n");
         std::fprintf(stderr,
                      "request %s: finish %s%s%s, prompt %u tokens, completion %u tokens, "
-                     "ttft %.3f s, total %.3f s, queued %.3f s\n",
+                     "ttft %.3f s, total %.3f s, queued %.3f s, cached %u tokens\n",
                      response.request_id().c_str(), FinishName(done.finish_reason()),
                      done.matched_stop().empty() ? "" : " ", done.matched_stop().c_str(),
                      done.prompt_tokens(), done.completion_tokens(),
                      done.time_to_first_token_seconds(), done.total_generation_time_seconds(),
-                     done.queue_time_seconds());
+                     done.queue_time_seconds(), done.cached_tokens());
         complete = true;
       } else if (response.has_error()) {
         Print("\n");

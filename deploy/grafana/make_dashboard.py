@@ -107,6 +107,37 @@ panel("Expert load (tokens/s per rank and expert)", [
 ], "short", 0, 64, w=24,
       description="MoE: tokens routed to each expert a rank holds, summed over layers.")
 
+panel("Prefix cache: hit rate (tokens)", [
+    ("sum(rate(exl3serve:prefix_cache_hits_total{%s}[%s])) / "
+     "sum(rate(exl3serve:prefix_cache_queries_total{%s}[%s]))" % (SEL, RATE, SEL, RATE), "hit rate"),
+], "percentunit", 0, 72, w=8,
+      description="Prompt tokens found in the prefix cache (RAM or disk tier) over prompt tokens "
+                  "looked up at admission (vLLM's prefix_cache_hits / prefix_cache_queries).")
+panel("Prefix cache: blocks", [
+    ("sum(exl3serve:prefix_cache_blocks{%s})" % SEL, "cached in RAM"),
+    ("sum(exl3serve:prefix_cache_disk_used_blocks{%s})" % SEL, "on disk"),
+    ("sum(rate(exl3serve:prefix_cache_evicted_blocks_total{%s}[%s]))" % (SEL, RATE), "evicted/s"),
+    ("sum(rate(exl3serve:prefix_cache_disk_saved_blocks_total{%s}[%s]))" % (SEL, RATE), "saved to disk/s"),
+    ("sum(rate(exl3serve:prefix_cache_disk_hit_blocks_total{%s}[%s]))" % (SEL, RATE), "disk hits/s"),
+    ("sum(rate(exl3serve:prefix_cache_disk_miss_blocks_total{%s}[%s]))" % (SEL, RATE), "disk misses/s"),
+    ("sum(rate(exl3serve:prefix_cache_disk_evicted_blocks_total{%s}[%s]))" % (SEL, RATE), "disk evictions/s"),
+], "short", 8, 72, w=8,
+      description="The coordinator's block pool: blocks holding a known prefix, and the disk tier's slots.")
+panel("KV disk tier per rank: bytes and failures", [
+    ("sum by (rank) (rate(exl3serve:kv_disk_written_bytes_total{%s}[%s]))" % (SEL, RATE),
+     "written B/s rank {{rank}}"),
+    ("sum by (rank) (rate(exl3serve:kv_disk_read_bytes_total{%s}[%s]))" % (SEL, RATE),
+     "read B/s rank {{rank}}"),
+    ("sum by (rank) (increase(exl3serve:kv_disk_checksum_failures_total{%s}[5m]))" % SEL,
+     "checksum failures rank {{rank}}"),
+    ("sum by (rank) (increase(exl3serve:kv_disk_misses_total{%s}[5m]))" % SEL, "misses rank {{rank}}"),
+    ("sum by (rank) (increase(exl3serve:kv_disk_dropped_saves_total{%s}[5m]))" % SEL,
+     "dropped saves rank {{rank}}"),
+    ("sum by (rank) (increase(exl3serve:kv_disk_io_errors_total{%s}[5m]))" % SEL, "I/O errors rank {{rank}}"),
+], "short", 16, 72, w=8,
+      description="Each rank's file of evicted KV blocks: bytes written and read back, and blocks that "
+                  "came back as misses (corrupt, dropped or failed I/O: recomputed, never used).")
+
 dashboard = {
     "title": "exl3serve",
     "uid": "exl3serve",

@@ -131,6 +131,57 @@ def wait_all_blocks_free(c, what):
          f"{info.num_requests_running} running, {info.num_requests_waiting} waiting")
 
 
+def check_prefix_cache(c, vocab, rng, n, expect_disk):
+    """Branching multi-turn chats with a shared system prompt, n in flight:
+    every turn's answer equals the same request computed without the prefix
+    cache (no_prefix_cache), greedy and seeded; later turns report cached
+    tokens, opted-out requests none."""
+    before = c.server_info()
+    if not before.prefix_cache_enabled:
+        for ids, g in [([rng.randrange(3, vocab) for _ in range(40)], 4)] * 2:
+            done = c.generate(c.request(ids, g))[0][-1].complete
+            check(done.cached_tokens == 0, f"prefix cache off, yet cached_tokens {done.cached_tokens}")
+        print("prefix cache: off on this server; cached_tokens 0", flush=True)
+        return
+    system = [rng.randrange(3, vocab) for _ in range(37)]
+    chats = [list(system) for _ in range(n)]
+    cached_total = 0
+    for turn in range(4):
+        if turn == 1:  # branch: half the chats continue the history of chat 0
+            for i in range(1, n, 2):
+                chats[i] = list(chats[0])
+        for i in range(n):
+            chats[i] += [rng.randrange(3, vocab) for _ in range(rng.choice([5, 9, 16]))]
+        seeded = dict(temperature=0.8, seed=1000 + turn)
+        reqs = [(list(h), 8, (seeded if i % 3 == 0 else {})) for i, h in enumerate(chats)]
+        got = run_parallel(lambda r: c.generate(c.request(r[0], r[1], **r[2]))[0], reqs)
+        for i, (ids, g, sp) in enumerate(reqs):
+            uncached = c.request(ids, g, **sp)
+            uncached.no_prefix_cache = True
+            ref_done = c.generate(uncached)[0][-1].complete
+            done = got[i][-1].complete
+            check(ref_done.cached_tokens == 0, f"turn {turn} chat {i}: opted out, cached {ref_done.cached_tokens}")
+            check(list(done.output_ids) == list(ref_done.output_ids),
+                  f"turn {turn} chat {i}: cached {list(done.output_ids)} != computed {list(ref_done.output_ids)}")
+            cached_total += done.cached_tokens
+            check(done.cached_tokens < len(ids), f"turn {turn} chat {i}: cached {done.cached_tokens} of {len(ids)}")
+            chats[i] = ids + list(done.output_ids)
+    check(cached_total > 0, "no request reported cached tokens")
+    opt_out = c.request(chats[0], 4)
+    opt_out.no_prefix_cache = True
+    done = c.generate(opt_out)[0][-1].complete
+    check(done.cached_tokens == 0, f"no_prefix_cache request reports cached_tokens {done.cached_tokens}")
+    after = wait_all_blocks_free(c, "after the prefix-cache chats")
+    hits = after.prefix_cache_hits_tokens - before.prefix_cache_hits_tokens
+    check(hits >= cached_total, f"server info: {hits} hit tokens < {cached_total} reported cached")
+    disk = (after.prefix_cache_disk_saved_blocks - before.prefix_cache_disk_saved_blocks,
+            after.prefix_cache_disk_hit_blocks - before.prefix_cache_disk_hit_blocks)
+    if expect_disk:
+        check(disk[0] > 0 and disk[1] > 0, f"disk tier: {disk[0]} blocks saved, {disk[1]} hit; want both > 0")
+    print(f"prefix cache: OK ({n} branching chats x 4 turns equal their uncached runs; "
+          f"{cached_total} tokens cached, disk {disk[0]} saved / {disk[1]} hit)", flush=True)
+
+
 def check_cancel(c, vocab, rng, reference):
     prompts, gens, alone = reference
     long_prompts = [[rng.randrange(3, vocab) for _ in range(rng.choice([5, 30]))] for _ in range(6)]
@@ -234,6 +285,8 @@ def main():
     ap.add_argument("--stubs", required=True, help="directory with exl3serve/v1/generation_pb2*.py")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--expect-disk-tier", action="store_true",
+                    help="the server's pool is too small for the chats: blocks go to disk and come back")
     args = ap.parse_args()
     sys.path.insert(0, args.stubs)
     from exl3serve.v1 import generation_pb2 as pb
@@ -249,6 +302,7 @@ def main():
     check_health(c)
     check_structure(c, vocab)
     reference = check_concurrent(c, vocab, args.concurrency, rng)
+    check_prefix_cache(c, vocab, rng, args.concurrency, args.expect_disk_tier)
     check_cancel(c, vocab, rng, reference)
     check_abort(c, vocab)
     check_malformed(c, vocab, max_context)

@@ -70,7 +70,7 @@ PY
 MPORT=$(free_ports 3); [ -n "$MPORT" ] || fail "no 3 consecutive free ports"
 "$BIN" --log-level warning serve --model "$WORK/model" --tp 2 --port 0 --kv-pages 128 \
     --metrics-port "$MPORT" --shutdown-grace-ms 2000 --spill-embeddings --spill-cache-bytes 65536 \
-    >"$WORK/serve.log" 2>&1 &
+    --kv-disk-path "$WORK/kv-{rank}.bin" --kv-disk-blocks 32 >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -99,6 +99,12 @@ N=4
 for i in $(seq $N); do
   "$BIN" client --addr "$ADDR" --prompt-ids 1,42,7,$((300 + i)) --max-tokens 8 --ignore-eos --ids \
       >/dev/null 2>"$WORK/client.err" || { cat "$WORK/client.err"; fail "request $i"; }
+done
+
+# The prefix cache: a 40-token prompt twice (the second finds 2 blocks of 16).
+for i in 1 2; do
+  "$BIN" client --addr "$ADDR" --prompt-ids "$(seq -s, 100 139)" --max-tokens 4 --ignore-eos --ids \
+      >/dev/null 2>"$WORK/client.err" || { cat "$WORK/client.err"; fail "prefix request $i"; }
 done
 
 scrape() { curl -sf --max-time 10 "$1" >"$2" || fail "scrape $1"; }
@@ -132,6 +138,11 @@ ge "$(value "$C" 'exl3serve:time_to_first_token_seconds_count\{')" $N || fail "T
 ge "$(value "$C" 'exl3serve:inter_token_latency_seconds_count\{')" $((N * 7)) || fail "ITL count < $((N * 7))"
 ge "$(value "$C" 'exl3serve:e2e_request_latency_seconds_bucket\{[^}]*le="\+Inf"')" $N || fail "e2e +Inf bucket < $N"
 ge "$(value "$C" 'exl3serve:engine_steps_total\{')" 8 || fail "engine_steps_total < 8"
+ge "$(value "$C" 'exl3serve:prefix_cache_queries_total\{')" $((N * 4 + 80)) || fail "prefix_cache_queries_total < $((N * 4 + 80))"
+ge "$(value "$C" 'exl3serve:prefix_cache_hits_total\{')" 32 || fail "prefix_cache_hits_total < 32"
+for r in 0 1; do  # the ranks' disk tier exports its counters (nothing evicted yet: zero)
+  grep -q "^exl3serve:kv_disk_written_bytes_total{.*rank=\"$r\"" "$WORK/rank$r.prom" || fail "rank $r: no kv_disk_written_bytes_total"
+done
 grep -q '^exl3serve:cache_config_info{.*block_size="16".*num_gpu_blocks="128"' "$C" || fail "cache_config_info"
 grep -q '^exl3serve:inter_token_latency_seconds_bucket{.*le="0.001"' "$C" || fail "no sub-10 ms ITL bucket"
 ge "$(value "$C" 'exl3serve:rank_up\{')" 2 || fail "rank_up: not 2 ranks up"

@@ -89,6 +89,11 @@ async function realServer() {
   check(sawRole && finish !== null && chunks >= 3, 'stream: role and finish_reason');
   check(streamed === text, `stream text == non-stream text (${JSON.stringify(streamed)} vs ${JSON.stringify(text)})`);
   check(usage && usage.completion_tokens === whole.usage.completion_tokens, 'stream: usage chunk');
+  // The same prompt again: the server's prefix cache holds its full 16-token
+  // blocks (at least one prompt token is always computed).
+  const cachedWant = Math.floor((whole.usage.prompt_tokens - 1) / 16) * 16;
+  check(usage.prompt_tokens_details.cached_tokens === cachedWant,
+        `stream: cached_tokens ${usage.prompt_tokens_details.cached_tokens}, want ${cachedWant} of ${whole.usage.prompt_tokens}`);
 
   // The client's own accumulator validates role / finish_reason on every choice.
   const final = await client.chat.completions.stream(base).finalChatCompletion();

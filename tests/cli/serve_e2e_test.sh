@@ -49,9 +49,12 @@ fi
 # and every stream must still equal its run alone.
 for TP in 1 2; do
   LOG="$WORK/server-tp$TP.log"
-  if [ $TP = 1 ]; then PAGES=256 STREAMS=16; else PAGES=96 STREAMS=64; fi
+  # tp=2 also keeps evicted prefix-cache blocks in a disk tier (one file per rank).
+  if [ $TP = 1 ]; then PAGES=256 STREAMS=16 DISK=() EXPECT_DISK=()
+  else PAGES=96 STREAMS=64 DISK=(--kv-disk-path "$WORK/kv-{rank}.bin" --kv-disk-blocks 512) EXPECT_DISK=(--expect-disk-tier)
+  fi
   "$BIN" --log-level warning serve --model "$WORK/model" --tp $TP --port 0 --kv-pages $PAGES \
-      --shutdown-grace-ms 2000 >"$LOG" 2>&1 &
+      "${DISK[@]}" --shutdown-grace-ms 2000 >"$LOG" 2>&1 &
   SERVER_PID=$!
   ADDR=""
   for _ in $(seq 600); do  # the port line comes before the ranks load
@@ -63,6 +66,16 @@ for TP in 1 2; do
   [ -n "$ADDR" ] || fail "tp=$TP: no 'listening on' line in 60 s"
   "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 || fail "tp=$TP: not ready in 120 s"
   grep -q "^serving .* on $ADDR (tp=$TP)" "$LOG" || fail "tp=$TP: no 'serving ... (tp=$TP)' line"
+
+  # The prefix cache: the same 40-token prompt twice; the second reuses two
+  # full 16-token blocks and answers the same.
+  LONG=$(seq -s, 100 139)
+  A1=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 8 --ignore-eos --ids 2>"$WORK/c1.err") &&
+  A2=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 8 --ignore-eos --ids 2>"$WORK/c2.err") ||
+    { cat "$WORK"/c?.err; fail "tp=$TP: prefix-cache requests"; }
+  [ "$A1" = "$A2" ] || fail "tp=$TP: cached answer [$A2] != first [$A1]"
+  grep -q "cached 0 tokens" "$WORK/c1.err" && grep -q "cached 32 tokens" "$WORK/c2.err" ||
+    { cat "$WORK"/c?.err; fail "tp=$TP: cached_tokens of the repeated prompt"; }
 
   # C++ client: streamed ids equal the one-process reference.
   GOT=$("$BIN" client --addr "$ADDR" --prompt-ids $PROMPT --max-tokens 16 --ignore-eos --ids \
@@ -105,7 +118,7 @@ for r in ranks:
 
   if [ $PYTHON_OK = 1 ]; then
     /usr/bin/python3 "$SRC/tests/cli/grpc_client.py" --addr "$ADDR" --stubs "$BUILD/python" \
-        --concurrency $STREAMS || fail "tp=$TP: Python client"
+        --concurrency $STREAMS "${EXPECT_DISK[@]}" || fail "tp=$TP: Python client"
     echo "tp=$TP: preemptions so far: $("$BIN" client --addr "$ADDR" --info | sed -n 's/.*"num_preemptions":"\{0,1\}\([0-9]*\).*/\1/p')"
   fi
 
@@ -128,4 +141,27 @@ for r in ranks:
   wait "$CLIENT_PID"; echo "tp=$TP: drain OK (long stream: $(tail -1 "$WORK/long.err"))"
   grep -q "^stopped" "$LOG" || fail "tp=$TP: no 'stopped' line after SIGTERM"
 done
+# --no-prefix-cache: nothing is reused, GetServerInfo says so, answers unchanged.
+LOG="$WORK/server-nocache.log"
+"$BIN" --log-level warning serve --model "$WORK/model" --port 0 --kv-pages 256 --no-prefix-cache \
+    --shutdown-grace-ms 2000 >"$LOG" 2>&1 &
+SERVER_PID=$!
+ADDR=""
+for _ in $(seq 600); do
+  ADDR=$(sed -n 's/^listening on //p' "$LOG"); [ -n "$ADDR" ] && break
+  kill -0 "$SERVER_PID" 2>/dev/null || fail "no-prefix-cache: serve exited before listening"; sleep 0.1
+done
+[ -n "$ADDR" ] || fail "no-prefix-cache: no 'listening on' line in 60 s"
+"$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "no-prefix-cache: not ready"
+for i in 1 2; do
+  B=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 8 --ignore-eos --ids 2>"$WORK/n$i.err") ||
+    { cat "$WORK/n$i.err"; fail "no-prefix-cache: request $i"; }
+  [ "$B" = "$A1" ] || fail "no-prefix-cache: answer [$B] != cached server's [$A1]"
+  grep -q "cached 0 tokens" "$WORK/n$i.err" || { cat "$WORK/n$i.err"; fail "no-prefix-cache: request $i reports cached tokens"; }
+done
+"$BIN" client --addr "$ADDR" --info | grep -q '"prefix_cache_enabled": *true' && fail "no-prefix-cache: --info says enabled"
+[ $PYTHON_OK = 1 ] && { /usr/bin/python3 "$SRC/tests/cli/grpc_client.py" --addr "$ADDR" --stubs "$BUILD/python" \
+    --concurrency 4 || fail "no-prefix-cache: Python client"; }
+stop_server || fail "no-prefix-cache: serve exited $? after SIGTERM"
+echo "no-prefix-cache: OK (cached 0 tokens, same answer)"
 echo "serve_e2e: OK"

@@ -162,6 +162,9 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                                  : ForwardPhase::kMixed;
         rank.observer->OnForward(phase, tokens, absl::Now() - start, status);
         rank.observer->OnModelCounters(*rank.model);
+        // The disk tier writes asynchronously: its counters move between
+        // saves, so they are exported after every forward as well.
+        if (rank.disk_tier != nullptr) rank.observer->OnKvDiskTier(rank.disk_tier->stats());
       }
       return status;
     }
