@@ -6,7 +6,8 @@ Run with Debian's /usr/bin/python3 and the stubs the build generates into
 BUILD/python. Subcommands (all take --addr and --stubs):
 
   refs     --out FILE         the reference: every stream's prompt run alone,
-                              one at a time, through the same server (JSON)
+                              one at a time, through the same server, every
+                              prompt token computed (no_prefix_cache) (JSON)
   streams  --refs FILE --kill-pid PID --expect same|unavailable
                               all streams at once; once every stream has its
                               first chunk, SIGKILL the rank PID and write
@@ -18,7 +19,9 @@ BUILD/python. Subcommands (all take --addr and --stubs):
   info     [--ready 0|1] [--min-replays N] [--up R,..] [--down R,..]
                               GetServerInfo answers, with that readiness, at
                               least N replays and those ranks up / down
-  one      --refs FILE        stream 0 alone again equals its reference
+  one      --refs FILE [--min-cached N]
+                              stream 0 alone again equals its reference (and
+                              reports at least N prompt tokens cached)
   same     A.json B.json      two reference files hold the same tokens
 
 --sampled (before the subcommand): every request samples (temperature 0.8,
@@ -46,18 +49,24 @@ def fail(msg):
     sys.exit(1)
 
 
+SHARED_PREFIX = [1 + (k * 53) % 997 for k in range(21)]
+
+
 def prompts(n):
-    """n prompts of mixed lengths (3..15 tokens), ids in [1, 998)."""
-    return [[1 + (i * 37 + j * 11 + i * j) % 997 for j in range(3 + (i * 5) % 13)] for i in range(n)]
+    """n prompts: a shared 21-token prefix (a full KV block the server's
+    prefix cache shares, also across a replay) then 3..15 tokens of their
+    own, ids in [1, 998)."""
+    return [SHARED_PREFIX + [1 + (i * 37 + j * 11 + i * j) % 997 for j in range(3 + (i * 5) % 13)]
+            for i in range(n)]
 
 
 class Stream:
     """One Generate call on a thread of its own."""
 
-    def __init__(self, client, index, ids, max_tokens):
+    def __init__(self, client, index, ids, max_tokens, no_prefix_cache=False):
         self.index = index
         self.req = client.request(ids, max_tokens, request_id=f"replay-{index}-{time.time_ns()}",
-                                  seed=1000 + index)
+                                  seed=1000 + index, no_prefix_cache=no_prefix_cache)
         self.client = client
         self.first = threading.Event()
         self.ids = []
@@ -98,8 +107,8 @@ class Client:
         self.channel = grpc.insecure_channel(addr)
         self.stub = pb_grpc.GenerationStub(self.channel)
 
-    def request(self, ids, max_tokens, request_id="", seed=0):
-        req = self.pb.GenerateRequest(request_id=request_id)
+    def request(self, ids, max_tokens, request_id="", seed=0, no_prefix_cache=False):
+        req = self.pb.GenerateRequest(request_id=request_id, no_prefix_cache=no_prefix_cache)
         req.tokenized.input_ids.extend(ids)
         req.sampling_params.max_tokens = max_tokens
         req.sampling_params.ignore_eos = True
@@ -112,8 +121,8 @@ class Client:
             req.sampling_params.temperature = 0.0  # greedy
         return req
 
-    def solo(self, ids, max_tokens, index=0):
-        s = Stream(self, index, ids, max_tokens)
+    def solo(self, ids, max_tokens, index=0, no_prefix_cache=False):
+        s = Stream(self, index, ids, max_tokens, no_prefix_cache)
         s.run()
         if s.code != grpc.StatusCode.OK or s.complete is None:
             fail(f"solo stream {ids}: {s.code} {s.details} {s.error_message}")
@@ -128,7 +137,7 @@ class Client:
 def cmd_refs(c, a):
     refs = []
     for i, p in enumerate(prompts(a.streams)):
-        ids = c.solo(p, a.max_tokens, index=i)
+        ids = c.solo(p, a.max_tokens, index=i, no_prefix_cache=True)  # every token computed
         if len(ids) != a.max_tokens:
             fail(f"reference {i}: {len(ids)} tokens, want {a.max_tokens}")
         refs.append({"prompt": p, "ids": ids})
@@ -221,10 +230,16 @@ def cmd_same(c, a):
 def cmd_one(c, a):
     ref = json.load(open(a.refs))
     r = ref["refs"][0]
-    ids = c.solo(r["prompt"], ref["max_tokens"])
-    if ids != r["ids"]:
+    s = Stream(c, 0, r["prompt"], ref["max_tokens"])
+    s.run()
+    if s.code != grpc.StatusCode.OK or s.complete is None:
+        fail(f"one: {s.code} {s.details} {s.error_message}")
+    if s.ids != r["ids"]:
         fail("a new request after re-formation differs from its reference")
-    print(f"one: a new request returns its {len(ids)} reference tokens", flush=True)
+    if s.complete.cached_tokens < a.min_cached:
+        fail(f"one: {s.complete.cached_tokens} prompt tokens from the prefix cache, want >= {a.min_cached}")
+    print(f"one: a new request returns its {len(s.ids)} reference tokens "
+          f"({s.complete.cached_tokens} prompt tokens cached)", flush=True)
 
 
 def main():
@@ -250,6 +265,7 @@ def main():
     p.add_argument("--down", default="", help="ranks it must list as down")
     p = sub.add_parser("one")
     p.add_argument("--refs", required=True)
+    p.add_argument("--min-cached", type=int, default=0, help="prompt tokens the prefix cache must serve")
     p = sub.add_parser("same")
     p.add_argument("a")
     p.add_argument("b")

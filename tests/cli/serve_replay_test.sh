@@ -49,6 +49,9 @@ wait "$PY_PID"; rc=$?; PY_PID=""
 cat "$WORK/client.out"
 [ $rc = 0 ] || fail "the streams (exit $rc)"
 py info --ready 1 --min-replays 1 || fail "GetServerInfo after the replay"
+# The re-formed group started with empty caches; the replayed streams left
+# their blocks cached again, so a new request shares the 16-token prefix block.
+py one --refs "$WORK/refs.json" --min-cached 16 || fail "a request after the replay"
 "$BIN" client --addr "$ADDR" --health --wait-ready-ms 60000 >/dev/null || fail "not ready again"
 NEW=$(pgrep -P "$SERVER_PID" -f worker | tr '\n' ' ')
 [ "$(echo $NEW | wc -w)" = 2 ] || fail "want 2 new worker children after re-formation, found [$NEW]"
