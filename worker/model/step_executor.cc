@@ -1,5 +1,7 @@
 #include "worker/model/step_executor.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 
@@ -39,6 +41,79 @@ absl::Status RunSampledForward(const Transformer& model, PagedKvCache* cache,
   }
   tokens->assign(batch.size(), SampledToken{});
   for (size_t j = 0; j < rows.size(); ++j) (*tokens)[rows[j].logits_row] = std::move(drawn[j]);
+  return absl::OkStatus();
+}
+
+absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
+                                VocabSampler* sampler, std::span<const SequenceTokens> batch,
+                                std::span<const uint8_t> sample,
+                                std::span<const int32_t> draft_counts, std::vector<float>* slice,
+                                std::vector<std::vector<SampledToken>>* runs) {
+  if (sample.size() != batch.size() || draft_counts.size() != batch.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "verified forward: ", sample.size(), " sample flags and ", draft_counts.size(),
+        " draft counts for ", batch.size(), " batch entries"));
+  }
+  // Row of entry i's first token in the all-token logits; the rounds.
+  std::vector<int64_t> first_row(batch.size());
+  int64_t rows_total = 0;
+  int32_t max_draft = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
+    const int32_t d = draft_counts[i];
+    if (d < 0 || (d > 0 && (sample[i] == 0 || d >= n))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "verified forward: entry ", i, " (sequence ", batch[i].seq_id, ") has ", d,
+          " draft tokens of ", n, sample[i] == 0 ? " and is not sampled" : ""));
+    }
+    if (sample[i] != 0 && !sampler->HasSequence(batch[i].seq_id)) {
+      return absl::NotFoundError(absl::StrCat("verified forward: sequence ", batch[i].seq_id,
+                                              " was not added with sampling parameters"));
+    }
+    first_row[i] = rows_total;
+    rows_total += n;
+    max_draft = std::max(max_draft, d);
+  }
+  EXL3_RETURN_IF_ERROR(model.ForwardVocabSlice(batch, LogitsRows::kAllTokens, cache, slice));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    sampler->Observe(batch[i].seq_id, batch[i].tokens.first(batch[i].tokens.size() - draft_counts[i]));
+  }
+  runs->assign(batch.size(), {});
+  std::vector<uint8_t> live(batch.size(), 0);
+  for (size_t i = 0; i < batch.size(); ++i) live[i] = sample[i];
+  for (int32_t round = 0; round <= max_draft; ++round) {
+    std::vector<SampleRow> rows;
+    std::vector<size_t> entries;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (live[i] == 0) continue;
+      const int64_t accepted_end = static_cast<int64_t>(batch[i].tokens.size()) - draft_counts[i];
+      rows.push_back({batch[i].seq_id, first_row[i] + accepted_end - 1 + round});
+      entries.push_back(i);
+    }
+    if (rows.empty()) break;
+    std::vector<SampledToken> drawn;
+    if (absl::Status status = sampler->Sample(rows, slice->data(), &drawn); !status.ok()) {
+      if (model.communicator() != nullptr) model.communicator()->Abort(status);
+      return status;
+    }
+    for (size_t j = 0; j < entries.size(); ++j) {
+      const size_t i = entries[j];
+      const int32_t d = draft_counts[i];
+      const int32_t token = drawn[j].id;
+      (*runs)[i].push_back(std::move(drawn[j]));
+      const int64_t draft_at = static_cast<int64_t>(batch[i].tokens.size()) - d + round;
+      if (round < d && batch[i].tokens[static_cast<size_t>(draft_at)] == token) {
+        sampler->Observe(batch[i].seq_id, batch[i].tokens.subspan(static_cast<size_t>(draft_at), 1));
+      } else {
+        live[i] = 0;
+        // Drop the KV of the draft positions after the last accepted one.
+        const int64_t rejected = d - round;
+        if (rejected > 0) {
+          cache->SetLength(batch[i].seq_id, cache->Length(batch[i].seq_id) - rejected);
+        }
+      }
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -37,6 +37,29 @@ absl::Status RunSampledForward(const Transformer& model, PagedKvCache* cache,
                                std::span<const uint8_t> sample, std::vector<float>* slice,
                                std::vector<SampledToken>* tokens);
 
+// Speculative verification (issue 18): as RunSampledForward, except that
+// the last draft_counts[i] tokens of entry i are draft tokens, not yet
+// accepted (entry i then needs sample[i] != 0 and at least one token before
+// its drafts: the last accepted token). One forward computes every
+// position; then, round by round, each drafting sequence draws the token at
+// its next position with its own sampler (penalties and the counter-based
+// draw see exactly the tokens before that position) and accepts the draft
+// token there iff the draw equals it. (*runs)[i] holds what serial decoding
+// would have drawn: the accepted draft tokens, then one more (the first
+// draw that differs from the draft, or the one after a fully accepted
+// draft). An entry without drafts gets its one token as RunSampledForward.
+// The KV positions and sampler history of rejected drafts are dropped
+// (PagedKvCache::SetLength lowered; the pages stay assigned). Every rank
+// takes the same decisions (draws are identical on every rank), so the
+// rounds are collective like Sample. Errors: RunSampledForward's;
+// InvalidArgument for a draft count that leaves no accepted token or that
+// is set on an entry that is not sampled.
+absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
+                                VocabSampler* sampler, std::span<const SequenceTokens> batch,
+                                std::span<const uint8_t> sample,
+                                std::span<const int32_t> draft_counts, std::vector<float>* slice,
+                                std::vector<std::vector<SampledToken>>* runs);
+
 // A sampler over `model`'s vocabulary slice and communicator.
 VocabSampler MakeVocabSampler(const Transformer& model);
 
