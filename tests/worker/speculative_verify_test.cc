@@ -245,6 +245,46 @@ TEST_P(SpeculativeVerifyTest, BadDraftCountsAreRefused) {
   EXPECT_EQ(cache.Length(1), 0);  // nothing ran
 }
 
+// The seam: LocalStepExecutor::ForwardVerified is RunVerifiedForward on its
+// own cache and sampler (what the engine will call); an executor that cannot
+// verify says Unimplemented.
+TEST_P(SpeculativeVerifyTest, TheInProcessExecutorVerifiesThroughTheSeam) {
+  const std::vector<int32_t> prompt = {3, 141, 59, 265, 358, 979};
+  const std::vector<int32_t> want = Serial(prompt, 2, 42, 12);
+  LocalStepExecutor executor(model_, Cache());
+  ASSERT_TRUE(executor.AddSampledSequence(5, Sampling(2, prompt.size(), 42)).ok());
+  std::vector<int32_t> got;
+  std::vector<int32_t> feed = prompt;
+  int32_t drafts = 0;
+  while (got.size() < want.size()) {
+    const SequenceTokens entry{5, feed};
+    const uint8_t one = 1;
+    std::vector<std::vector<SampledToken>> runs;
+    ASSERT_TRUE(executor.ForwardVerified({&entry, 1}, {&one, 1}, {&drafts, 1}, &runs).ok());
+    for (const SampledToken& t : runs[0]) got.push_back(t.id);
+    // Next: the last token and a draft of the next three serial tokens, the
+    // third one wrong (two accepted, then the target's own token).
+    feed = {got.back()};
+    drafts = 0;
+    for (size_t j = got.size(); j < want.size() && j < got.size() + 3; ++j, ++drafts) {
+      feed.push_back(drafts == 2 ? (want[j] + 1) % 1000 : want[j]);
+    }
+  }
+  got.resize(want.size());
+  EXPECT_EQ(got, want);
+
+  struct NoDrafts final : StepExecutor {
+    int64_t vocab_size() const override { return 1; }
+    absl::Status AddSequence(int64_t) override { return absl::OkStatus(); }
+    absl::Status RemoveSequence(int64_t) override { return absl::OkStatus(); }
+    absl::Status Forward(std::span<const SequenceTokens>, LogitsRows, std::vector<float>*) override {
+      return absl::OkStatus();
+    }
+  } none;
+  std::vector<std::vector<SampledToken>> runs;
+  EXPECT_EQ(none.ForwardVerified({}, {}, {}, &runs).code(), absl::StatusCode::kUnimplemented);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, SpeculativeVerifyTest, ::testing::Values("bf16", "exl3"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 

@@ -116,6 +116,21 @@ class StepExecutor {
     return absl::UnimplementedError("this executor does not sample on its ranks");
   }
 
+  // Speculative verification (worker/model/step_executor.h
+  // RunVerifiedForward): the last draft_counts[i] tokens of entry i are
+  // draft tokens; (*runs)[i] is what serial decoding draws from there — the
+  // accepted draft tokens, then one more — and the ranks drop the KV of the
+  // rejected positions. Errors: ForwardSampled's; InvalidArgument for a
+  // draft count that leaves no accepted token or sits on an unsampled entry.
+  // Unimplemented where the executor cannot verify drafts (then the caller
+  // decodes without them).
+  virtual absl::Status ForwardVerified(std::span<const SequenceTokens> batch,
+                                       std::span<const uint8_t> sample,
+                                       std::span<const int32_t> draft_counts,
+                                       std::vector<std::vector<SampledToken>>* runs) {
+    return absl::UnimplementedError("this executor does not verify draft tokens");
+  }
+
   // The disk tier (kv_disk_tier.h) of every rank. SaveKvBlocks copies each
   // page's bytes to its slot (written asynchronously; a save the rank cannot
   // take is dropped, and that slot is later a miss) and must run before the

@@ -88,6 +88,12 @@ class LocalStepExecutor final : public StepExecutor {
                               std::vector<SampledToken>* tokens) override {
     return RunSampledForward(*model_, cache_, &sampler_, batch, sample, &slice_, tokens);
   }
+  absl::Status ForwardVerified(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<SampledToken>>* runs) override {
+    return RunVerifiedForward(*model_, cache_, &sampler_, batch, sample, draft_counts, &slice_,
+                              runs);
+  }
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
     return cache_->AssignPages(seq_id, page_ids);
   }

@@ -31,6 +31,11 @@ class OwningLocalExecutor final : public StepExecutor {
                               std::vector<SampledToken>* tokens) override {
     return inner_.ForwardSampled(batch, sample, tokens);
   }
+  absl::Status ForwardVerified(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<SampledToken>>* runs) override {
+    return inner_.ForwardVerified(batch, sample, draft_counts, runs);
+  }
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
     return inner_.AssignPages(seq_id, page_ids);
   }
