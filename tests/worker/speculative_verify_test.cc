@@ -254,6 +254,38 @@ TEST_P(SpeculativeVerifyTest, BadDraftCountsAreRefused) {
   EXPECT_EQ(cache.Length(1), 0);  // nothing ran
 }
 
+// The chosen logits rows are exactly the matching rows of an all-token
+// forward of the same batch on the same cache state.
+TEST_P(SpeculativeVerifyTest, LastRowsPerEntryAreTheMatchingAllTokenRows) {
+  const std::vector<std::vector<int32_t>> tokens = {{5, 6, 7, 8, 9}, {10, 11}, {12, 13, 14}};
+  const std::vector<int32_t> last_rows = {3, 0, 1};
+  std::vector<float> all, chosen;
+  for (int pass = 0; pass < 2; ++pass) {
+    PagedKvCache cache = Cache();
+    std::vector<SequenceTokens> batch;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      ASSERT_TRUE(cache.AddSequence(static_cast<int64_t>(i)).ok());
+      batch.push_back({static_cast<int64_t>(i), tokens[i]});
+    }
+    if (pass == 0) {
+      ASSERT_TRUE(model_->ForwardVocabSlice(batch, LogitsRows::kAllTokens, &cache, &all).ok());
+    } else {
+      ASSERT_TRUE(model_->ForwardVocabSliceLastRows(batch, last_rows, &cache, &chosen).ok());
+      const std::vector<int32_t> too_many = {6, 0, 0}, short_list = {1, 1};
+      EXPECT_EQ(model_->ForwardVocabSliceLastRows(batch, too_many, &cache, &chosen).code(),
+                absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(model_->ForwardVocabSliceLastRows(batch, short_list, &cache, &chosen).code(),
+                absl::StatusCode::kInvalidArgument);
+    }
+  }
+  const int64_t width = model_->vocab_slice().second - model_->vocab_slice().first;
+  // All-token rows 2,3,4 (entry 0's last three) and 9 (entry 2's last).
+  std::vector<float> want;
+  for (int64_t r : {2, 3, 4, 9}) want.insert(want.end(), all.begin() + r * width, all.begin() + (r + 1) * width);
+  ASSERT_EQ(chosen.size(), want.size());
+  EXPECT_EQ(chosen, want);
+}
+
 // The seam: LocalStepExecutor::ForwardVerified is RunVerifiedForward on its
 // own cache and sampler (what the engine will call); an executor that cannot
 // verify says Unimplemented.

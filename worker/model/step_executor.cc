@@ -54,8 +54,9 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
         "verified forward: ", sample.size(), " sample flags and ", draft_counts.size(),
         " draft counts for ", batch.size(), " batch entries"));
   }
-  // Row of entry i's first token in the all-token logits; the rounds.
+  // Row of entry i's first logits row; the rounds.
   std::vector<int64_t> first_row(batch.size());
+  std::vector<int32_t> last_rows(batch.size(), 0);
   int64_t rows_total = 0;
   int32_t max_draft = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -70,11 +71,15 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
       return absl::NotFoundError(absl::StrCat("verified forward: sequence ", batch[i].seq_id,
                                               " was not added with sampling parameters"));
     }
+    // Logits rows: the last accepted token and the drafts of each sampled
+    // entry (row r of it predicts the position after draft r - 1); none
+    // for an entry that is not sampled (a prefill chunk).
+    last_rows[i] = sample[i] != 0 ? d + 1 : 0;
     first_row[i] = rows_total;
-    rows_total += n;
+    rows_total += last_rows[i];
     max_draft = std::max(max_draft, d);
   }
-  EXL3_RETURN_IF_ERROR(model.ForwardVocabSlice(batch, LogitsRows::kAllTokens, cache, slice));
+  EXL3_RETURN_IF_ERROR(model.ForwardVocabSliceLastRows(batch, last_rows, cache, slice));
   for (size_t i = 0; i < batch.size(); ++i) {
     sampler->Observe(batch[i].seq_id, batch[i].tokens.first(batch[i].tokens.size() - draft_counts[i]));
   }
@@ -86,8 +91,7 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
     std::vector<size_t> entries;
     for (size_t i = 0; i < batch.size(); ++i) {
       if (live[i] == 0) continue;
-      const int64_t accepted_end = static_cast<int64_t>(batch[i].tokens.size()) - draft_counts[i];
-      rows.push_back({batch[i].seq_id, first_row[i] + accepted_end - 1 + round});
+      rows.push_back({batch[i].seq_id, first_row[i] + round});
       entries.push_back(i);
     }
     if (rows.empty()) break;

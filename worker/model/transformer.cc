@@ -388,18 +388,38 @@ absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& op
 
 absl::Status Transformer::Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                                   PagedKvCache* cache, std::vector<float>* logits) const {
-  return ForwardImpl(batch, rows, cache, /*gather_logits=*/true, logits);
+  return ForwardImpl(batch, rows, {}, cache, /*gather_logits=*/true, logits);
 }
 
 absl::Status Transformer::ForwardVocabSlice(std::span<const SequenceTokens> batch,
                                             LogitsRows rows, PagedKvCache* cache,
                                             std::vector<float>* slice_logits) const {
-  return ForwardImpl(batch, rows, cache, /*gather_logits=*/false, slice_logits);
+  return ForwardImpl(batch, rows, {}, cache, /*gather_logits=*/false, slice_logits);
+}
+
+absl::Status Transformer::ForwardVocabSliceLastRows(std::span<const SequenceTokens> batch,
+                                                    std::span<const int32_t> last_rows,
+                                                    PagedKvCache* cache,
+                                                    std::vector<float>* slice_logits) const {
+  if (last_rows.size() != batch.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("forward: ", last_rows.size(),
+                                                   " logits row counts for ", batch.size(),
+                                                   " batch entries"));
+  }
+  for (size_t i = 0; i < batch.size(); ++i) {
+    if (last_rows[i] < 0 || last_rows[i] > static_cast<int64_t>(batch[i].tokens.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "forward: sequence ", batch[i].seq_id, " asks for ", last_rows[i],
+          " logits rows of its ", batch[i].tokens.size(), " tokens"));
+    }
+  }
+  return ForwardImpl(batch, LogitsRows::kLastToken, last_rows, cache, /*gather_logits=*/false,
+                     slice_logits);
 }
 
 absl::Status Transformer::ForwardImpl(std::span<const SequenceTokens> batch, LogitsRows rows,
-                                      PagedKvCache* cache, bool gather_logits,
-                                      std::vector<float>* logits) const {
+                                      std::span<const int32_t> last_rows, PagedKvCache* cache,
+                                      bool gather_logits, std::vector<float>* logits) const {
   const sharding::ModelArch& arch = config_.arch;
   if (batch.empty()) return absl::InvalidArgumentError("forward: empty batch");
   absl::flat_hash_set<int64_t> seen;
@@ -436,7 +456,8 @@ absl::Status Transformer::ForwardImpl(std::span<const SequenceTokens> batch, Log
   // Past validation every rank of a group runs the same collectives; a
   // failure on this rank alone (a kernel error) aborts the group so the peers
   // fail now instead of at their deadline.
-  absl::Status status = RunLayers(batch, rows, cache, starts, total, gather_logits, logits);
+  absl::Status status =
+      RunLayers(batch, rows, last_rows, cache, starts, total, gather_logits, logits);
   if (!status.ok()) {
     if (comm_ != nullptr) comm_->Abort(status);
     return status;
@@ -448,9 +469,9 @@ absl::Status Transformer::ForwardImpl(std::span<const SequenceTokens> batch, Log
 }
 
 absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
-                                    PagedKvCache* cache, const std::vector<int64_t>& starts,
-                                    int64_t total, bool gather_logits,
-                                    std::vector<float>* logits) const {
+                                    std::span<const int32_t> last_rows, PagedKvCache* cache,
+                                    const std::vector<int64_t>& starts, int64_t total,
+                                    bool gather_logits, std::vector<float>* logits) const {
   const sharding::ModelArch& arch = config_.arch;
   const int64_t hidden = arch.hidden_size;
   const int64_t hd = arch.head_dim;
@@ -506,7 +527,15 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   // Final norm and head on the rows asked for.
   std::vector<float> selected;
   int64_t out_rows = 0;
-  if (rows == LogitsRows::kAllTokens) {
+  if (!last_rows.empty()) {
+    int64_t row = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      row += static_cast<int64_t>(batch[i].tokens.size());
+      selected.insert(selected.end(), h.begin() + (row - last_rows[i]) * hidden,
+                      h.begin() + row * hidden);
+      out_rows += last_rows[i];
+    }
+  } else if (rows == LogitsRows::kAllTokens) {
     selected = std::move(h);
     out_rows = total;
   } else {

@@ -144,6 +144,15 @@ class Transformer {
   // sampling (vocab_sampler.h) consumes.
   absl::Status ForwardVocabSlice(std::span<const SequenceTokens> batch, LogitsRows rows,
                                  PagedKvCache* cache, std::vector<float>* slice_logits) const;
+  // As ForwardVocabSlice, with the logits rows chosen per entry: the last
+  // last_rows[i] positions of entry i (0 = none), entries in batch order —
+  // what speculative verification needs (the last accepted token and the
+  // drafts of each drafting sequence, nothing for a prefill chunk).
+  // InvalidArgument, before anything runs, when last_rows.size() differs
+  // from the batch's or an entry asks for more rows than it has tokens.
+  absl::Status ForwardVocabSliceLastRows(std::span<const SequenceTokens> batch,
+                                         std::span<const int32_t> last_rows, PagedKvCache* cache,
+                                         std::vector<float>* slice_logits) const;
 
   // This rank's vocabulary rows [first, second) of the head; the ranks'
   // ranges tile [0, vocab_size) in rank order (or are all whole).
@@ -199,12 +208,14 @@ class Transformer {
   absl::Status LoadWeights(const sharding::Exl3Model& model, const sharding::RankShard& shard,
                            const TransformerLoadOptions& options);
   // Forward after validation: embedding, layers, head.
+  // last_rows non-empty: those rows per entry instead of `rows`.
   absl::Status RunLayers(std::span<const SequenceTokens> batch, LogitsRows rows,
-                         PagedKvCache* cache, const std::vector<int64_t>& starts, int64_t total,
-                         bool gather_logits, std::vector<float>* logits) const;
+                         std::span<const int32_t> last_rows, PagedKvCache* cache,
+                         const std::vector<int64_t>& starts, int64_t total, bool gather_logits,
+                         std::vector<float>* logits) const;
   absl::Status ForwardImpl(std::span<const SequenceTokens> batch, LogitsRows rows,
-                           PagedKvCache* cache, bool gather_logits,
-                           std::vector<float>* logits) const;
+                           std::span<const int32_t> last_rows, PagedKvCache* cache,
+                           bool gather_logits, std::vector<float>* logits) const;
   // Sums `data` over the ranks (no-op on a single rank).
   absl::Status AllReduce(std::vector<float>& data) const;
   // The full logits from this rank's vocab rows (rows x vocab_begin..end).
