@@ -3,7 +3,8 @@
 // SetDecodePrecision(kInt8): mul1 linears with m < kPrefillMinRows run int8
 // activations (close to exact, at linear and model level, greedy tokens of a
 // peaked-logits model unchanged); 3inst / mcg linears fall back to fp32 bit
-// for bit; kBf16 is rejected.
+// for bit; kBf16 is rejected. Row plans: each run of a Forward's rows at
+// its kind's precision, bit for bit the kernel on that run alone.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -165,6 +166,120 @@ TEST_F(LinearPrefillTest, DecodeRejectsBf16) {
   EXPECT_NE(s.message().find("prefill"), std::string::npos) << s;
   EXPECT_EQ(DecodePrecision(), kernels::TrellisGemmPrecision::kFloat);
   EXPECT_STREQ(GemmPrecisionName(kernels::TrellisGemmPrecision::kInt8), "int8");
+}
+
+// The reference for a run of rows: kernels::TrellisGemm straight on the
+// stored linear (its own copy, zero-padded input, trimmed output), rows
+// [row0, row0 + rows) of x at `precision`.
+std::vector<float> DirectRows(const kernels::Exl3LinearData& data, const std::vector<float>& x,
+                              int64_t in, int64_t out, int64_t row0, int64_t rows,
+                              kernels::TrellisGemmPrecision precision) {
+  std::vector<float> xp(static_cast<size_t>(rows * data.k), 0.0f), yp(rows * data.n);
+  for (int64_t i = 0; i < rows; ++i) {
+    std::memcpy(&xp[i * data.k], &x[(row0 + i) * in], sizeof(float) * in);
+  }
+  kernels::TrellisGemmOptions options;
+  options.precision = precision;
+  const absl::Status s = kernels::TrellisGemm(data.view(), xp.data(), rows, yp.data(), options);
+  EXPECT_TRUE(s.ok()) << s;
+  std::vector<float> y(static_cast<size_t>(rows * out));
+  for (int64_t i = 0; i < rows; ++i) std::memcpy(&y[i * out], &yp[i * data.n], sizeof(float) * out);
+  return y;
+}
+
+// Forward with a row plan of mixed runs (odd sizes, a zero-row run between
+// two prefill runs) equals, row for row and bit for bit, separate kernel
+// calls per group of consecutive same-precision runs: int8 for decode runs,
+// fp32 or bf16 for prefill runs; on a linear with padded input (down_proj
+// 192 -> 128, k = 256) and one with padded output (gate_proj 128 -> 192,
+// n = 256). With equal precisions the plan is one call of all rows.
+TEST_F(LinearPrefillTest, RowPlanRunsEachRunAtItsKindsPrecision) {
+  auto model = sharding::Exl3Model::Open(*root_ + "/exl3");
+  ASSERT_TRUE(model.ok()) << model.status();
+  using P = kernels::TrellisGemmPrecision;
+  const std::vector<RowRun> plan = {{3, RowKind::kDecode},  {21, RowKind::kPrefill},
+                                    {5, RowKind::kDecode},  {1, RowKind::kPrefill},
+                                    {0, RowKind::kDecode},  {18, RowKind::kPrefill},
+                                    {7, RowKind::kDecode}};
+  const int64_t m = 55;
+  // The kernel calls the plan must make: {first row, rows, decode?}.
+  struct Group {
+    int64_t row0, rows;
+    bool decode;
+  };
+  const std::vector<Group> groups = {{0, 3, true}, {3, 21, false}, {24, 5, true},
+                                     {29, 19, false}, {48, 7, true}};
+  struct Shape {
+    const char* key;
+    int64_t in, out;
+  };
+  std::mt19937 rng(13);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  for (const Shape& shape : {Shape{"model.layers.0.mlp.down_proj", 192, 128},
+                             Shape{"model.layers.0.mlp.gate_proj", 128, 192}}) {
+    SCOPED_TRACE(shape.key);
+    auto linear = Linear::Load(**model, shape.key, shape.in, shape.out);
+    ASSERT_TRUE(linear.ok()) << linear.status();
+    auto data = (*model)->LoadLinear(shape.key);
+    ASSERT_TRUE(data.ok()) << data.status();
+    ASSERT_EQ(data->codebook, kernels::Codebook::kMul1);
+    std::vector<float> x(static_cast<size_t>(m * shape.in));
+    for (float& v : x) v = g(rng);
+    for (P prefill : {P::kFloat, P::kBf16}) {
+      SCOPED_TRACE(GemmPrecisionName(prefill));
+      ASSERT_TRUE(SetDecodePrecision(P::kInt8).ok());
+      ASSERT_TRUE(SetPrefillPrecision(prefill).ok());
+      std::vector<float> got(static_cast<size_t>(m * shape.out),
+                             std::numeric_limits<float>::quiet_NaN());
+      ASSERT_TRUE(linear->Forward(x.data(), m, got.data(), plan).ok());
+      for (const Group& group : groups) {
+        const std::vector<float> want = DirectRows(*data, x, shape.in, shape.out, group.row0,
+                                                   group.rows, group.decode ? P::kInt8 : prefill);
+        EXPECT_EQ(0, std::memcmp(want.data(), &got[group.row0 * shape.out],
+                                 sizeof(float) * want.size()))
+            << "rows " << group.row0 << " + " << group.rows;
+        if (group.decode) {  // int8 took effect: not the fp32 rows
+          const std::vector<float> fp32 = DirectRows(*data, x, shape.in, shape.out, group.row0,
+                                                     group.rows, P::kFloat);
+          EXPECT_NE(0, std::memcmp(fp32.data(), &got[group.row0 * shape.out],
+                                   sizeof(float) * fp32.size()));
+        }
+      }
+    }
+    // Decode and prefill both fp32: one call of all m rows, as the m-based Forward.
+    ASSERT_TRUE(SetDecodePrecision(P::kFloat).ok());
+    ASSERT_TRUE(SetPrefillPrecision(P::kFloat).ok());
+    std::vector<float> got(static_cast<size_t>(m * shape.out));
+    ASSERT_TRUE(linear->Forward(x.data(), m, got.data(), plan).ok());
+    EXPECT_EQ(got, DirectRows(*data, x, shape.in, shape.out, 0, m, P::kFloat));
+    EXPECT_EQ(got, Forward(*linear, x, m));
+  }
+}
+
+TEST_F(LinearPrefillTest, RowPlanMustCoverTheCallsRows) {
+  auto model = sharding::Exl3Model::Open(*root_ + "/exl3");
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto linear = Linear::Load(**model, "model.layers.0.mlp.down_proj", 192, 128);
+  ASSERT_TRUE(linear.ok()) << linear.status();
+  std::vector<float> x(5 * 192, 1.0f), y(5 * 128, 7.0f);
+  const std::vector<RowRun> short_plan = {{2, RowKind::kDecode}, {2, RowKind::kPrefill}};
+  const std::vector<RowRun> negative = {{6, RowKind::kDecode}, {-1, RowKind::kPrefill}};
+  EXPECT_EQ(linear->Forward(x.data(), 5, y.data(), short_plan).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(linear->Forward(x.data(), 5, y.data(), negative).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(y, std::vector<float>(5 * 128, 7.0f));  // nothing written
+  std::vector<RowRun> built;
+  AppendRowRun(&built, 2, RowKind::kDecode);
+  AppendRowRun(&built, 0, RowKind::kPrefill);
+  AppendRowRun(&built, 1, RowKind::kDecode);
+  AppendRowRun(&built, 17, RowKind::kPrefill);
+  ASSERT_EQ(built.size(), 2u);
+  EXPECT_EQ(built[0].rows, 3);
+  EXPECT_EQ(built[1].rows, 17);
+  EXPECT_EQ(built[1].kind, RowKind::kPrefill);
+  EXPECT_EQ(RowKindForRows(kPrefillMinRows - 1), RowKind::kDecode);
+  EXPECT_EQ(RowKindForRows(kPrefillMinRows), RowKind::kPrefill);
 }
 
 // Model level: whole EXL3 models converted with one codebook.

@@ -6,6 +6,7 @@
 // one-token-at-a-time decoding of the same sequence draws; the KV length
 // after each step is exactly the accepted positions, and a later step
 // overwrites the rejected ones. Also the argument checks.
+#include <algorithm>
 #include <memory>
 #include <random>
 #include <string>
@@ -57,10 +58,14 @@ class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
   void TearDown() override {
     if (int8()) ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
   }
-  // int8 decode activations: exact only while every step of both runs has
-  // fewer than kPrefillMinRows rows (Linear::Forward switches to the prefill
-  // precision above; coordinator/README.md, speculative decoding item 4), so
-  // that variant runs one sequence with short prompts and no prefill chunk.
+  // int8 decode activations: the int8 kernels have no row crossover and
+  // Transformer runs each entry at the precision it gets alone (linear.h
+  // RowKind), so verify steps of any size are exact: that variant batches 4
+  // drafting sequences (up to 24 rows a step) next to a prefill chunk of 19
+  // tokens (prefill-kind, fp32). Its prompts stay decode-kind (< 17 tokens)
+  // so that the first step's prompts share one int8 call instead of several
+  // prefill-kind prompts sharing an fp32 one (fp32 sums depend on a call's
+  // row count: close, not bit-equal, to the serial run's).
   bool int8() const { return GetParam() == "exl3-int8"; }
 
  protected:
@@ -131,7 +136,7 @@ exl3serve::testing::ScratchDir* SpeculativeVerifyTest::dir_ = nullptr;
 TEST_P(SpeculativeVerifyTest, DraftedRunsEqualSerialDecodingAloneAndInABatch) {
   constexpr int kTokens = 40;
   std::mt19937 rng(11);
-  for (int batch_size : int8() ? std::vector<int>{1} : std::vector<int>{1, 3}) {
+  for (int batch_size : int8() ? std::vector<int>{1, 4} : std::vector<int>{1, 3}) {
     for (int kind = 0; kind < 3; ++kind) {
       SCOPED_TRACE(::testing::Message() << "batch " << batch_size << " sampling kind " << kind);
       PagedKvCache cache = Cache();
@@ -147,13 +152,16 @@ TEST_P(SpeculativeVerifyTest, DraftedRunsEqualSerialDecodingAloneAndInABatch) {
         ASSERT_TRUE(cache.AddSequence(s.id).ok());
         ASSERT_TRUE(sampler.AddSequence(s.id, Sampling(kind, len, 100 + b)).ok());
       }
-      // A sequence being prefilled in the same steps (chunks of 5, never sampled).
-      std::vector<int32_t> long_prompt(60);
+      // A sequence being prefilled in the same steps (chunks of 5, or of 19
+      // for int8: prefill-kind; never sampled).
+      const size_t chunk = int8() ? 19 : 5;
+      std::vector<int32_t> long_prompt(chunk * (int8() ? 4 : 12));
       for (int32_t& t : long_prompt) t = static_cast<int32_t>(rng() % 1000);
       ASSERT_TRUE(cache.AddSequence(99).ok());
       size_t prefilled = 0;
       bool first = true;
       int64_t accepted_drafts = 0, drafted = 0;
+      int64_t most_drafting_rows = 0;  // the largest step's rows of drafting entries
       while (true) {
         bool all_done = true;
         for (const Seq& s : seqs) all_done &= s.out >= s.want.size();
@@ -189,11 +197,14 @@ TEST_P(SpeculativeVerifyTest, DraftedRunsEqualSerialDecodingAloneAndInABatch) {
           batch.push_back({in_batch[i]->id, feeds[i]});
           sample.push_back(1);
         }
-        if (!int8() && prefilled < long_prompt.size()) {
-          batch.push_back({99, std::span<const int32_t>(long_prompt).subspan(prefilled, 5)});
+        int64_t drafting_rows = 0;
+        for (const SequenceTokens& entry : batch) drafting_rows += entry.tokens.size();
+        most_drafting_rows = std::max(most_drafting_rows, drafting_rows);
+        if (prefilled < long_prompt.size()) {
+          batch.push_back({99, std::span<const int32_t>(long_prompt).subspan(prefilled, chunk)});
           sample.push_back(0);
           drafts.push_back(0);
-          prefilled += 5;
+          prefilled += chunk;
         }
         std::vector<float> slice;
         std::vector<std::vector<SampledToken>> runs;
@@ -219,9 +230,13 @@ TEST_P(SpeculativeVerifyTest, DraftedRunsEqualSerialDecodingAloneAndInABatch) {
           }
         }
         first = false;
-        if (!int8() && prefilled >= long_prompt.size() && cache.Length(99) != 60) {
+        if (prefilled >= long_prompt.size() &&
+            cache.Length(99) != static_cast<int64_t>(long_prompt.size())) {
           FAIL() << "the prefill sequence's length is " << cache.Length(99);
         }
+      }
+      if (batch_size > 1) {  // steps past the old 17-row precision switch
+        EXPECT_GE(most_drafting_rows, kPrefillMinRows);
       }
       EXPECT_GT(accepted_drafts, 0);
       EXPECT_LT(accepted_drafts, drafted);  // some drafts were rejected

@@ -293,7 +293,32 @@ const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision) {
   return "?";
 }
 
+void AppendRowRun(std::vector<RowRun>* plan, int64_t rows, RowKind kind) {
+  if (rows <= 0) return;
+  if (!plan->empty() && plan->back().kind == kind) {
+    plan->back().rows += rows;
+  } else {
+    plan->push_back({rows, kind});
+  }
+}
+
 absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
+  const RowRun all{m, RowKindForRows(m)};
+  return Forward(x, m, y, {&all, 1});
+}
+
+absl::Status Linear::Forward(const float* x, int64_t m, float* y,
+                             std::span<const RowRun> plan) const {
+  int64_t planned = 0;
+  bool negative = false;
+  for (const RowRun& run : plan) {
+    planned += run.rows;
+    negative |= run.rows < 0;
+  }
+  if (planned != m || negative) {
+    return absl::InvalidArgumentError(absl::StrCat("linear `", key_, "`: row plan covers ",
+                                                   planned, " rows, the call has ", m));
+  }
   if (m == 0 || out_ == 0) return absl::OkStatus();
   if (observer_ != nullptr) observer_->ObserveInput(key_, x, m, in_);
   if (in_ == 0) {  // a row-parallel window without input channels: bias or zero
@@ -333,18 +358,41 @@ absl::Status Linear::Forward(const float* x, int64_t m, float* y) const {
     }
     input = padded_x.data();
   }
-  kernels::TrellisGemmOptions options;
-  if (m >= kPrefillMinRows) {
-    options.precision = PrefillPrecision();
-  } else if (exl3_.codebook == kernels::Codebook::kMul1) {
-    // kInt8 is mul1-only (TrellisGemm refuses it for 3inst/mcg): those stay kFloat.
-    options.precision = DecodePrecision();
+  float* output = y;
+  if (n != out_) {
+    padded_y.resize(static_cast<size_t>(m * n));
+    output = padded_y.data();
   }
-  if (n == out_) return kernels::TrellisGemm(exl3_.view(), input, m, y, options);
-  padded_y.resize(static_cast<size_t>(m * n));
-  EXL3_RETURN_IF_ERROR(kernels::TrellisGemm(exl3_.view(), input, m, padded_y.data(), options));
-  for (int64_t i = 0; i < m; ++i) {
-    std::memcpy(y + i * out_, &padded_y[i * n + out_offset_], sizeof(float) * out_);
+  // kInt8 is mul1-only (TrellisGemm refuses it for 3inst/mcg): those stay kFloat.
+  const kernels::TrellisGemmPrecision decode = exl3_.codebook == kernels::Codebook::kMul1
+                                                   ? DecodePrecision()
+                                                   : kernels::TrellisGemmPrecision::kFloat;
+  const kernels::TrellisGemmPrecision prefill = PrefillPrecision();
+  auto precision_of = [&](const RowRun& run) {
+    return run.kind == RowKind::kDecode ? decode : prefill;
+  };
+  // One kernel call per maximal group of consecutive runs of one precision.
+  int64_t row = 0;
+  for (size_t i = 0; i < plan.size();) {
+    if (plan[i].rows == 0) {
+      ++i;
+      continue;
+    }
+    kernels::TrellisGemmOptions options;
+    options.precision = precision_of(plan[i]);
+    int64_t rows = 0;
+    for (; i < plan.size() && (plan[i].rows == 0 || precision_of(plan[i]) == options.precision);
+         ++i) {
+      rows += plan[i].rows;
+    }
+    EXL3_RETURN_IF_ERROR(
+        kernels::TrellisGemm(exl3_.view(), input + row * k, rows, output + row * n, options));
+    row += rows;
+  }
+  if (n != out_) {
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(y + i * out_, &padded_y[i * n + out_offset_], sizeof(float) * out_);
+    }
   }
   return absl::OkStatus();
 }

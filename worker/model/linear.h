@@ -15,6 +15,7 @@
 #define EXL3SERVE_WORKER_MODEL_LINEAR_H_
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -40,10 +41,11 @@ class InputObserver {
                             int64_t in_features) = 0;
 };
 
-// Precision of every EXL3 Linear::Forward with at least kPrefillMinRows rows
-// (prefill) in this process: kFloat (default, exact fp32) or kBf16 (bf16
+// Precision of the prefill-kind rows (see RowKind below: rows of a batch
+// entry of at least kPrefillMinRows tokens; in the m-based Forward, every
+// call of at least that many rows) of every EXL3 Linear::Forward in this process: kFloat (default, exact fp32) or kBf16 (bf16
 // weights and activations, fp32 sums; ~0.24-0.3 % RMS error, AMX where the CPU
-// has it: kernels/trellis_gemm.h). Smaller m (decode) runs DecodePrecision().
+// has it: kernels/trellis_gemm.h). Decode-kind rows run DecodePrecision().
 // Set it before serving (`generate|serve|worker --prefill-precision bf16`;
 // rank processes get it as a worker flag or in the coordinator's Setup);
 // affects this process only. Thread-safe.
@@ -52,8 +54,9 @@ inline constexpr int64_t kPrefillMinRows = 17;
 absl::Status SetPrefillPrecision(kernels::TrellisGemmPrecision precision);
 kernels::TrellisGemmPrecision PrefillPrecision();
 
-// Precision of every EXL3 Linear::Forward with fewer than kPrefillMinRows rows
-// (decode) in this process: kFloat (default, exact fp32) or kInt8 (int8
+// Precision of the decode-kind rows (rows of a batch entry of fewer than
+// kPrefillMinRows tokens; in the m-based Forward, calls of fewer rows) of
+// every EXL3 Linear::Forward in this process: kFloat (default, exact fp32) or kInt8 (int8
 // activations with a per-row scale, integer byte-sum dot products; ~0.8-0.9 %
 // RMS output error, ~1.8x the kFloat GEMV at batch 1: kernels/trellis_gemm.h).
 // kInt8 applies only to linears TrellisGemm runs in int8 — the mul1 codebook,
@@ -69,6 +72,29 @@ absl::Status SetDecodePrecision(kernels::TrellisGemmPrecision precision);
 kernels::TrellisGemmPrecision DecodePrecision();
 // "fp32", "bf16" or "int8" (the flag spelling).
 const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision);
+
+// Row plans: which precision rule each row of a Linear::Forward follows, so
+// that a row's arithmetic depends on the batch entry it belongs to, never on
+// what else shares the call ("batched == alone", "drafted == serial").
+// A batch entry (one sequence's tokens in one forward) of fewer than
+// kPrefillMinRows tokens is decode-kind — its rows run DecodePrecision() on
+// mul1 linears — a longer one prefill-kind (PrefillPrecision()), exactly as
+// the entry would run alone. The m-based Forward(x, m, y) is the plan
+// {{m, RowKindForRows(m)}}.
+enum class RowKind : uint8_t { kDecode, kPrefill };
+inline RowKind RowKindForRows(int64_t rows) {
+  return rows < kPrefillMinRows ? RowKind::kDecode : RowKind::kPrefill;
+}
+// `rows` consecutive rows of one kind. A plan is a span of runs in row
+// order; zero-row runs are allowed and skipped.
+struct RowRun {
+  int64_t rows = 0;
+  RowKind kind = RowKind::kDecode;
+};
+// Appends `rows` rows of `kind` to *plan, extending its last run when that
+// run has the same kind (so plans stay short: the scheduler puts decode
+// entries first, which gives one or two runs). No-op for rows <= 0.
+void AppendRowRun(std::vector<RowRun>* plan, int64_t rows, RowKind kind);
 
 // Thread safety: immutable after Load; Forward is const and thread-safe
 // (an attached InputObserver must tolerate the calling threads).
@@ -136,10 +162,28 @@ class Linear {
   int64_t weight_bytes() const;
 
   // y = x · Wᵀ + bias for m rows; x is m x in, y is m x out, row-major.
+  // An EXL3 linear runs all m rows at the precision of RowKindForRows(m):
+  // the same as Forward(x, m, y, {{m, RowKindForRows(m)}}).
   // Errors: those of kernels::TrellisGemm (a broken EXL3 linear). y is
   // unspecified on error. Requires: y does not alias x. Cost: O(m·in·out);
-  // an EXL3 linear with padding allocates m·(k + n) floats.
+  // an EXL3 linear with padding grows per-thread scratch to m·(k + n)
+  // floats (allocation-free once grown).
   absl::Status Forward(const float* x, int64_t m, float* y) const;
+
+  // The same with a row plan: an EXL3 linear runs each run of `plan` at its
+  // kind's precision (decode: DecodePrecision() on a mul1 linear, kFloat on
+  // 3inst/mcg; prefill: PrefillPrecision()). Consecutive runs that resolve
+  // to the same precision go to kernels::TrellisGemm as one call, so with
+  // equal decode and prefill precisions this is one call, bit for bit the
+  // m-based Forward; otherwise one call per run, each row equal to the row
+  // of a Forward of that run alone under the same plan (int8 has no row
+  // crossover, so int8 rows are equal whatever the run's length; fp32/bf16
+  // sums depend on the call's row count, kernels/trellis_gemm.h).
+  // Plain linears ignore the plan (their rows never depend on m).
+  // Errors: InvalidArgument when the plan's rows do not sum to m (nothing
+  // written); those of Forward. Cost: as Forward plus one weight decode per
+  // extra kernel call; allocation-free where Forward is.
+  absl::Status Forward(const float* x, int64_t m, float* y, std::span<const RowRun> plan) const;
 
   // The module key this linear was loaded as (its LinearSpec key).
   const std::string& key() const { return key_; }

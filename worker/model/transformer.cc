@@ -503,53 +503,66 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   }
   std::vector<float> a(h.size()), q(total * nh * hd), k(total * nkv * hd), v(total * nkv * hd);
   std::vector<float> attn(total * nh * hd), delta(h.size());
+  // Each entry's rows run at the precision the entry would get alone
+  // (linear.h, RowKind), whatever else shares the step.
+  std::vector<RowRun> plan;
+  for (const SequenceTokens& entry : batch) {
+    const int64_t n = static_cast<int64_t>(entry.tokens.size());
+    AppendRowRun(&plan, n, RowKindForRows(n));
+  }
   for (int l = 0; l < arch.num_layers; ++l) {
     const Layer& layer = layers_[l];
     a = h;
     EXL3_RETURN_IF_ERROR(kernels::RmsNorm(a.data(), total, hidden, layer.input_norm.data(),
                                           config_.rms_norm_eps, a.data()));
-    EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data()));
-    EXL3_RETURN_IF_ERROR(layer.k.Forward(a.data(), total, k.data()));
-    EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data()));
+    EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data(), plan));
+    EXL3_RETURN_IF_ERROR(layer.k.Forward(a.data(), total, k.data(), plan));
+    EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data(), plan));
     EXL3_RETURN_IF_ERROR(Attention(batch, l, cache, starts, q, k, v, &attn));
-    EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data()));
+    EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data(), plan));
     EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
     a = h;
     EXL3_RETURN_IF_ERROR(kernels::RmsNorm(a.data(), total, hidden,
                                           layer.post_attention_norm.data(), config_.rms_norm_eps,
                                           a.data()));
-    EXL3_RETURN_IF_ERROR(Mlp(layer, a, total, &delta));
+    EXL3_RETURN_IF_ERROR(Mlp(layer, a, total, plan, &delta));
     EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
   }
 
-  // Final norm and head on the rows asked for.
+  // Final norm and head on the rows asked for, each at its entry's kind.
   std::vector<float> selected;
+  std::vector<RowRun> head_plan;
   int64_t out_rows = 0;
   if (!last_rows.empty()) {
     int64_t row = 0;
     for (size_t i = 0; i < batch.size(); ++i) {
-      row += static_cast<int64_t>(batch[i].tokens.size());
+      const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
+      row += n;
       selected.insert(selected.end(), h.begin() + (row - last_rows[i]) * hidden,
                       h.begin() + row * hidden);
       out_rows += last_rows[i];
+      AppendRowRun(&head_plan, last_rows[i], RowKindForRows(n));
     }
   } else if (rows == LogitsRows::kAllTokens) {
     selected = std::move(h);
     out_rows = total;
+    head_plan = plan;
   } else {
     int64_t row = 0;
     for (const SequenceTokens& entry : batch) {
-      row += static_cast<int64_t>(entry.tokens.size());
+      const int64_t n = static_cast<int64_t>(entry.tokens.size());
+      row += n;
       selected.insert(selected.end(), h.begin() + (row - 1) * hidden, h.begin() + row * hidden);
       ++out_rows;
+      AppendRowRun(&head_plan, 1, RowKindForRows(n));
     }
   }
   EXL3_RETURN_IF_ERROR(kernels::RmsNorm(selected.data(), out_rows, hidden, final_norm_.data(),
                                         config_.rms_norm_eps, selected.data()));
   std::vector<float> local(static_cast<size_t>(out_rows * vocab_.size()));
-  EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, local.data()));
+  EXL3_RETURN_IF_ERROR(head_.Forward(selected.data(), out_rows, local.data(), head_plan));
   if (!gather_logits) {
     *logits = std::move(local);
     return absl::OkStatus();
@@ -618,19 +631,19 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
 }
 
 absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, int64_t m,
-                              std::vector<float>* out) const {
+                              std::span<const RowRun> plan, std::vector<float>* out) const {
   const sharding::ModelArch& arch = config_.arch;
   const int64_t hidden = arch.hidden_size;
   auto gated = [](const Linear& gate, const Linear& up, const Linear& down, const float* x,
-                  int64_t rows, float* y) -> absl::Status {
+                  int64_t rows, std::span<const RowRun> rows_plan, float* y) -> absl::Status {
     const int64_t inter = gate.out_features();
     std::vector<float> g(rows * inter), u(rows * inter);
-    EXL3_RETURN_IF_ERROR(gate.Forward(x, rows, g.data()));
-    EXL3_RETURN_IF_ERROR(up.Forward(x, rows, u.data()));
+    EXL3_RETURN_IF_ERROR(gate.Forward(x, rows, g.data(), rows_plan));
+    EXL3_RETURN_IF_ERROR(up.Forward(x, rows, u.data(), rows_plan));
     for (size_t i = 0; i < g.size(); ++i) g[i] = Silu(g[i]) * u[i];
-    return down.Forward(g.data(), rows, y);
+    return down.Forward(g.data(), rows, y, rows_plan);
   };
-  if (!layer.moe) return gated(layer.gate, layer.up, layer.down, a.data(), m, out->data());
+  if (!layer.moe) return gated(layer.gate, layer.up, layer.down, a.data(), m, plan, out->data());
 
   // Route: softmax over all experts, keep the top k (lower index first on
   // ties), optionally renormalise.
@@ -638,7 +651,7 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   const int64_t held_begin = layer.expert_begin;
   const int64_t held_end = held_begin + static_cast<int64_t>(layer.experts.size());
   std::vector<float> router(m * experts);
-  EXL3_RETURN_IF_ERROR(layer.router.Forward(a.data(), m, router.data()));
+  EXL3_RETURN_IF_ERROR(layer.router.Forward(a.data(), m, router.data(), plan));
   std::vector<std::vector<int64_t>> rows_of(experts);
   std::vector<std::vector<float>> weights_of(experts);
   std::vector<int> order(experts);
@@ -660,6 +673,12 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
     }
   }
   std::fill(out->begin(), out->begin() + m * hidden, 0.0f);
+  // Each gathered row keeps its entry's kind: an expert's plan is the kinds
+  // of its rows in row order (runs of the batch plan stay runs).
+  std::vector<RowKind> kind_of_row;
+  kind_of_row.reserve(static_cast<size_t>(m));
+  for (const RowRun& run : plan) kind_of_row.insert(kind_of_row.end(), static_cast<size_t>(run.rows), run.kind);
+  std::vector<RowRun> expert_plan;
   std::vector<float> x, y;
   for (int64_t e = held_begin; e < held_end; ++e) {  // the experts this rank holds
     const std::vector<int64_t>& rows = rows_of[e];
@@ -667,14 +686,17 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
     const int64_t count = static_cast<int64_t>(rows.size());
     x.resize(count * hidden);
     y.resize(count * hidden);
+    expert_plan.clear();
     for (int64_t i = 0; i < count; ++i) {
       std::memcpy(&x[i * hidden], &a[rows[i] * hidden], sizeof(float) * hidden);
+      AppendRowRun(&expert_plan, 1, kind_of_row[rows[i]]);
     }
     if (expert_tokens_ != nullptr) {
       expert_tokens_[e].fetch_add(static_cast<uint64_t>(count), std::memory_order_relaxed);
     }
     const Expert& expert = layer.experts[e - held_begin];
-    EXL3_RETURN_IF_ERROR(gated(expert.gate, expert.up, expert.down, x.data(), count, y.data()));
+    EXL3_RETURN_IF_ERROR(
+        gated(expert.gate, expert.up, expert.down, x.data(), count, expert_plan, y.data()));
     for (int64_t i = 0; i < count; ++i) {
       float* o = out->data() + rows[i] * hidden;
       const float w = weights_of[e][i];

@@ -132,9 +132,16 @@ class Transformer {
   // or a token id outside [0, vocab_size) (named); NotFound for a sequence
   // the cache lacks; ResourceExhausted when the cache has no room (pages
   // reserved for earlier entries stay reserved); errors of the kernels.
-  // On error no sequence's committed length changes. With tensor
-  // parallelism, also the errors of the collectives (DeadlineExceeded,
-  // Unavailable, Aborted: the group is broken and must be re-formed).
+  // On error no sequence's committed length changes. Precision: each
+  // entry's rows run every EXL3 linear at the precision the entry would get
+  // alone (linear.h RowKind: decode precision below kPrefillMinRows tokens,
+  // prefill precision from there), also through MoE experts and the head,
+  // so with int8 decode a decode-kind entry's logits are bit for bit those
+  // of the entry alone whatever shares the step (a prefill-kind entry's too
+  // when it is the step's only one: fp32/bf16 sums depend on a call's row
+  // count). With tensor parallelism, also the errors of the collectives
+  // (DeadlineExceeded, Unavailable, Aborted: the group is broken and must
+  // be re-formed).
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        PagedKvCache* cache, std::vector<float>* logits) const;
 
@@ -225,8 +232,10 @@ class Transformer {
                          const std::vector<int64_t>& starts, std::vector<float>& q,
                          std::vector<float>& k, const std::vector<float>& v,
                          std::vector<float>* out) const;
+  // plan: the row plan of a's m rows (linear.h RowRun); MoE experts get the
+  // kinds of their gathered rows.
   absl::Status Mlp(const Layer& layer, const std::vector<float>& a, int64_t m,
-                   std::vector<float>* out) const;
+                   std::span<const RowRun> plan, std::vector<float>* out) const;
 
   ModelConfig config_;
   std::vector<double> rope_inv_freq_;
