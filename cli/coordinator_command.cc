@@ -68,7 +68,10 @@
 //                                      # a rank's own worker --*-precision flag wins)
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
 //            default_max_tokens: 256, max_context: 0,
-//            prefix_cache: true}          # reuse cached prompt prefixes' KV blocks
+//            prefix_cache: true,          # reuse cached prompt prefixes' KV blocks
+//            speculative: none,           # none|ngram: draft tokens verified on the
+//            draft_tokens: 4,             # ranks (output identical); per sequence
+//            draft_token_budget: 128}     # per step at most, and per step in all
 //   timeouts: {join_ms: 60000, collective_ms: 60000, load_ms: 300000, step_ms: 60000,
 //              heartbeat_interval_ms: 1000, heartbeat_ms: 5000, reform_ms: 60000}
 #include <signal.h>

@@ -220,8 +220,26 @@ absl::StatusOr<CoordinatorConfig> ReadCoordinatorConfigOrThrow(const YAML::Node&
   if (const YAML::Node en = root["engine"]; en.IsDefined()) {
     EXL3_RETURN_IF_ERROR(CheckKeys(en, "engine",
                                    {"max_running", "max_queue", "step_token_budget",
-                                    "default_max_tokens", "max_context", "prefix_cache"}));
+                                    "default_max_tokens", "max_context", "prefix_cache",
+                                    "speculative", "draft_tokens", "draft_token_budget"}));
     EXL3_RETURN_IF_ERROR(Read(en, "engine", "prefix_cache", &e.enable_prefix_caching));
+    std::string speculative = coordinator::SpeculativeMethodName(e.speculative);
+    EXL3_RETURN_IF_ERROR(Read(en, "engine", "speculative", &speculative));
+    absl::StatusOr<coordinator::SpeculativeMethod> method =
+        coordinator::ParseSpeculativeMethod(speculative);
+    if (!method.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config key `engine.speculative`: ", method.status().message()));
+    }
+    e.speculative = *method;
+    int64_t draft_tokens = e.draft_tokens;
+    EXL3_RETURN_IF_ERROR(Read(en, "engine", "draft_tokens", &draft_tokens));
+    if (draft_tokens < 1 || draft_tokens > coordinator::kMaxDraftTokens) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config key `engine.draft_tokens` must be in [1, ",
+                       coordinator::kMaxDraftTokens, "], got ", draft_tokens));
+    }
+    e.draft_tokens = static_cast<int>(draft_tokens);
     struct Field {
       const char* key;
       int64_t* value;
@@ -230,6 +248,7 @@ absl::StatusOr<CoordinatorConfig> ReadCoordinatorConfigOrThrow(const YAML::Node&
     for (const Field& f : {Field{"max_running", &e.max_running, 1},
                            Field{"max_queue", &e.max_queue, 1},
                            Field{"step_token_budget", &e.step_token_budget, 1},
+                           Field{"draft_token_budget", &e.draft_token_budget, 1},
                            Field{"default_max_tokens", &e.default_max_tokens, 1},
                            Field{"max_context", &e.max_context, 0}}) {
       EXL3_RETURN_IF_ERROR(Read(en, "engine", f.key, f.value));

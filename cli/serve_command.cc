@@ -88,6 +88,7 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     std::string metrics_host = "127.0.0.1";
     SpillFlags spill;
     std::string capacities;
+    std::string speculative = "none";
     PrecisionFlags precision;
     HttpFlags http;
   };
@@ -142,6 +143,17 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_flag("--no-prefix-cache{false}", args->engine.enable_prefix_caching,
                "compute every prompt token (default: reuse the KV blocks of cached prompt "
                "prefixes)");
+  app.add_option("--speculative", args->speculative,
+                 "speculative decoding: none, or ngram (draft tokens by prompt lookup over each "
+                 "sequence's own tokens, verified on the ranks; the output is identical)")
+      ->capture_default_str();
+  app.add_option("--draft-tokens", args->engine.draft_tokens,
+                 "speculative decoding: draft tokens per sequence per step at most (1..15; "
+                 "each sequence's window adapts to its acceptance)")
+      ->capture_default_str();
+  app.add_option("--draft-token-budget", args->engine.draft_token_budget,
+                 "speculative decoding: draft tokens per step at most, over all sequences")
+      ->capture_default_str();
   app.add_option("--max-queue", args->engine.max_queue,
                  "requests waiting at most (beyond: RESOURCE_EXHAUSTED)")
       ->capture_default_str();
@@ -167,6 +179,8 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
     // the engine) stops the scrape-time refresh before the engine goes.
     std::unique_ptr<coordinator::ServingMetrics> metrics;
     coordinator::EngineOptions engine_options = args->engine;
+    EXL3_ASSIGN_OR_RETURN(engine_options.speculative,
+                          coordinator::ParseSpeculativeMethod(args->speculative));
     engine_options.spill = args->spill.Policy();
     engine_options.prefill_precision = args->precision.Prefill();
     engine_options.decode_precision = args->precision.Decode();

@@ -95,6 +95,21 @@ std::vector<v1::RankInfo> LocalRankInfos(const std::vector<worker::rank::LocalRa
 
 }  // namespace
 
+absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
+  if (name == "none") return SpeculativeMethod::kNone;
+  if (name == "ngram") return SpeculativeMethod::kNgram;
+  return absl::InvalidArgumentError(
+      absl::StrCat("speculative method '", std::string(name), "': expected none or ngram"));
+}
+
+const char* SpeculativeMethodName(SpeculativeMethod method) {
+  switch (method) {
+    case SpeculativeMethod::kNone: return "none";
+    case SpeculativeMethod::kNgram: return "ngram";
+  }
+  return "none";
+}
+
 LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                          std::unique_ptr<worker::StepExecutor> executor)
     : options_(options),
@@ -119,7 +134,12 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                       options.enable_prefix_caching &&
                                       ExecutorFollowsBlockTables(*executor_),
                                   .prefix_cache_salt = PrefixCacheSalt(options),
-                                  .disk_blocks = options.kv_disk_blocks}) {
+                                  .disk_blocks = options.kv_disk_blocks,
+                                  .draft_token_budget =
+                                      options.speculative == SpeculativeMethod::kNone
+                                          ? 0
+                                          : options.draft_token_budget}),
+      drafting_(options.speculative != SpeculativeMethod::kNone) {
   {
     absl::MutexLock lock(&mu_);
     stat_free_blocks_ = options_.kv.num_pages;
@@ -477,6 +497,12 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_coordinator_seconds_total(stat_coordinator_seconds_);
   info.set_rank_result_bytes_total(stat_result_bytes_);
   info.set_sampled_sequences_total(stat_sampled_sequences_);
+  if (options_.speculative != SpeculativeMethod::kNone) {
+    info.set_speculative_method(SpeculativeMethodName(options_.speculative));
+  }
+  info.set_spec_decode_num_drafts(stat_spec_drafts_);
+  info.set_spec_decode_num_draft_tokens(stat_spec_draft_tokens_);
+  info.set_spec_decode_num_accepted_tokens(stat_spec_accepted_tokens_);
   return info;
 }
 
@@ -573,6 +599,11 @@ void LocalEngine::Loop() {
           live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = live.p.skip_special_tokens});
         }
         if (!live.p.stop_strings.empty()) live.stops.emplace(live.p.stop_strings);
+        if (drafting_) {
+          live.drafter.emplace(options_.ngram);
+          live.drafter->Append(live.p.prompt);
+          live.draft_length.emplace(options_.draft_tokens);
+        }
       }
       live_.emplace(seq_id, std::move(live));
       if (!added.ok()) Fail(seq_id, added.code(), std::string(added.message()));
@@ -615,6 +646,7 @@ void LocalEngine::Loop() {
 
 void LocalEngine::Step() {
   const absl::Time now = options_.clock();
+  ProposeDrafts();
   ScheduleOutput out = scheduler_.Schedule(now);
   for (const DroppedSequence& d : out.dropped) {
     if (d.reason == DropReason::kCancelled) {
@@ -670,8 +702,10 @@ void LocalEngine::Step() {
   if (out.batch.empty()) return;
   std::vector<worker::SequenceTokens> batch;
   std::vector<uint8_t> sample;
+  std::vector<int32_t> draft_counts;
   batch.reserve(out.batch.size());
   sample.reserve(out.batch.size());
+  bool any_draft = false;
   for (const ScheduledChunk& c : out.batch) {
     // The scheduler's block table is authoritative: the ranks get exactly
     // these pages (remote executors send them with this forward).
@@ -682,26 +716,81 @@ void LocalEngine::Step() {
     }
     batch.push_back({c.seq_id, c.tokens});
     sample.push_back(c.needs_logits ? 1 : 0);
+    draft_counts.push_back(static_cast<int32_t>(c.num_draft));
+    any_draft = any_draft || c.num_draft > 0;
   }
   const absl::Time forward_start = options_.clock();
-  if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens_); !s.ok()) {
-    return OnExecutorFailure(s);
+  if (any_draft) {
+    absl::Status s = executor_->ForwardVerified(batch, sample, draft_counts, &runs_);
+    if (absl::IsUnimplemented(s)) {
+      // Nothing ran: decode this step without the drafts (their positions'
+      // pages stay assigned; every run is then one token) and stop drafting.
+      EXL3_LOG(kWarning) << "the executor cannot verify draft tokens (" << s.message()
+                         << "); speculative decoding is off";
+      drafting_ = false;
+      any_draft = false;
+      for (size_t i = 0; i < batch.size(); ++i) {
+        if (draft_counts[i] > 0) batch[i].tokens = batch[i].tokens.first(1);
+        draft_counts[i] = 0;
+      }
+    } else if (!s.ok()) {
+      return OnExecutorFailure(s);
+    }
+  }
+  if (!any_draft) {
+    if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens_); !s.ok()) {
+      return OnExecutorFailure(s);
+    }
   }
   const absl::Time done = options_.clock();
+  StepRecord step;
+  std::vector<int32_t> run_ids;
   for (size_t i = 0; i < out.batch.size(); ++i) {
     const ScheduledChunk& c = out.batch[i];
     if (!c.needs_logits) continue;
     Live& live = live_.at(c.seq_id);
     ++sampled_sequences_;
-    const worker::SampledToken& token = tokens_[i];
-    if (token.id < 0 || token.id >= vocab_size_) {
+    const int32_t drafted = draft_counts[i];
+    const std::span<const worker::SampledToken> run =
+        any_draft ? std::span<const worker::SampledToken>(runs_[i])
+                  : std::span<const worker::SampledToken>(&tokens_[i], 1);
+    // What the ranks return is checked before it moves any state: a run of
+    // 1 .. drafted + 1 tokens in the vocabulary whose first tokens are the
+    // accepted drafts.
+    if (run.empty() || static_cast<int64_t>(run.size()) > drafted + 1) {
       return OnExecutorFailure(absl::InternalError(
-          absl::StrCat("the ranks sampled token ", token.id, " for sequence ", c.seq_id,
-                       ", outside the vocabulary [0, ", vocab_size_, ")")));
+          absl::StrCat("the ranks returned a run of ", run.size(), " tokens for sequence ",
+                       c.seq_id, ", which drafted ", drafted)));
     }
-    if (!OnToken(c.seq_id, live, token, done)) scheduler_.AppendToken(c.seq_id, token.id);
+    run_ids.clear();
+    for (size_t j = 0; j < run.size(); ++j) {
+      const int32_t id = run[j].id;
+      if (id < 0 || id >= vocab_size_) {
+        return OnExecutorFailure(absl::InternalError(
+            absl::StrCat("the ranks sampled token ", id, " for sequence ", c.seq_id,
+                         ", outside the vocabulary [0, ", vocab_size_, ")")));
+      }
+      if (j + 1 < run.size() && id != c.tokens[1 + j]) {
+        return OnExecutorFailure(absl::InternalError(
+            absl::StrCat("the ranks accepted token ", id, " for sequence ", c.seq_id,
+                         " where its draft was ", c.tokens[1 + j])));
+      }
+      run_ids.push_back(id);
+    }
+    const int32_t accepted = static_cast<int32_t>(run.size()) - 1;
+    if (drafted > 0) {
+      ++spec_drafts_;
+      spec_draft_tokens_ += static_cast<uint64_t>(drafted);
+      spec_accepted_tokens_ += static_cast<uint64_t>(accepted);
+      live.draft_length->Observe(drafted, accepted);
+    }
+    if (!OnRun(c.seq_id, live, run, done)) {
+      scheduler_.AppendRun(c.seq_id, run_ids);
+      if (live.drafter) live.drafter->Append(run_ids);
+    }
   }
-  StepRecord step{.step = options_.clock() - now, .forward = done - forward_start};
+  step.step = options_.clock() - now;
+  step.forward = done - forward_start;
   ++steps_;
   step_seconds_ += absl::ToDoubleSeconds(step.step);
   coordinator_seconds_ += absl::ToDoubleSeconds(step.step - step.forward);
@@ -715,8 +804,29 @@ void LocalEngine::Step() {
   }
 }
 
-bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken& token,
-                          absl::Time now) {
+void LocalEngine::ProposeDrafts() {
+  if (!drafting_) return;
+  for (auto& [seq_id, live] : live_) {
+    if (!live.drafter || !scheduler_.Contains(seq_id) || !scheduler_.is_running(seq_id)) continue;
+    // Only a sequence awaiting a single token's forward drafts.
+    if (static_cast<int64_t>(scheduler_.tokens(seq_id).size()) - scheduler_.computed(seq_id) != 1) {
+      continue;
+    }
+    // A run of k drafts yields up to k + 1 tokens: never past max_tokens.
+    const int64_t room =
+        live.p.max_tokens - static_cast<int64_t>(live.output.size()) - 1;
+    const int window = live.draft_length->Next();
+    const int k = static_cast<int>(std::min<int64_t>(window, room));
+    if (k <= 0) continue;
+    std::vector<int32_t> draft = live.drafter->Propose(k);
+    if (!draft.empty()) scheduler_.ProposeDraft(seq_id, std::move(draft));
+  }
+}
+
+bool LocalEngine::OnRun(int64_t seq_id, Live& live, std::span<const worker::SampledToken> run,
+                        absl::Time now) {
+  // One observation per step: a verified run arrives at once (vLLM's
+  // inter-token latency is per engine step too).
   if (options_.observer != nullptr) {
     if (!live.first_token) {
       options_.observer->OnFirstToken(now - live.p.arrival,
@@ -738,53 +848,54 @@ bool LocalEngine::OnToken(int64_t seq_id, Live& live, const worker::SampledToken
     if (live.stops && !live.stops->stopped()) rest += live.stops->Flush();
     return rest;
   };
-  auto chunk_response = [&](std::string text, bool with_token) {
-    v1::GenerateResponse r;
-    r.set_request_id(p.request_id);
-    v1::GenerateStreamChunk* chunk = r.mutable_chunk();
-    if (with_token) {
-      chunk->add_token_ids(static_cast<uint32_t>(token.id));
-      if (p.sampling.logprobs) chunk->add_logprobs(token.logprob);
-      if (p.sampling.top_logprobs > 0) {
-        v1::TopLogprobs* top = chunk->add_top_logprobs();
-        for (const worker::TokenLogprob& t : token.top_logprobs) {
-          top->add_token_ids(static_cast<uint32_t>(t.id));
-          top->add_logprobs(t.logprob);
-        }
-      }
-    }
+  // The step's chunk: every token of the run that is output, and its text.
+  v1::GenerateResponse response;
+  response.set_request_id(p.request_id);
+  v1::GenerateStreamChunk* chunk = response.mutable_chunk();
+  std::string text;
+  auto send = [&]() {
     chunk->set_text(std::move(text));
     chunk->set_prompt_tokens(static_cast<uint32_t>(p.prompt.size()));
     chunk->set_completion_tokens(static_cast<uint32_t>(live.output.size()));
     chunk->set_cached_tokens(static_cast<uint32_t>(live.cached_tokens));
-    return r;
+    p.callback(response);
   };
-
-  const bool request_stop = Contains(p.request_stop_ids, token.id);
-  const bool eos = !p.ignore_eos && Contains(facts_.eos_token_ids, token.id);
-  if (request_stop || eos) {
-    if (std::string rest = flush_text(); !rest.empty()) p.callback(chunk_response(rest, false));
-    Complete(seq_id, request_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_EOS, "");
-    return true;
+  for (const worker::SampledToken& token : run) {
+    const bool request_stop = Contains(p.request_stop_ids, token.id);
+    const bool eos = !p.ignore_eos && Contains(facts_.eos_token_ids, token.id);
+    if (request_stop || eos) {
+      text += flush_text();
+      if (chunk->token_ids_size() > 0 || !text.empty()) send();
+      Complete(seq_id, request_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_EOS, "");
+      return true;
+    }
+    live.output.push_back(token.id);
+    chunk->add_token_ids(static_cast<uint32_t>(token.id));
+    if (p.sampling.logprobs) chunk->add_logprobs(token.logprob);
+    if (p.sampling.top_logprobs > 0) {
+      v1::TopLogprobs* top = chunk->add_top_logprobs();
+      for (const worker::TokenLogprob& t : token.top_logprobs) {
+        top->add_token_ids(static_cast<uint32_t>(t.id));
+        top->add_logprobs(t.logprob);
+      }
+    }
+    if (live.decoder) {
+      absl::StatusOr<std::string> piece = live.decoder->Push(token.id);
+      if (piece.ok()) text += live.stops ? live.stops->Append(*piece) : *piece;
+    }
+    if (live.stops && live.stops->stopped()) {
+      send();
+      Complete(seq_id, v1::FINISH_REASON_STOP_STRING, live.stops->matched());
+      return true;
+    }
+    if (static_cast<int64_t>(live.output.size()) >= p.max_tokens) {
+      text += flush_text();
+      send();
+      Complete(seq_id, v1::FINISH_REASON_LENGTH, "");
+      return true;
+    }
   }
-  live.output.push_back(token.id);
-  std::string text;
-  if (live.decoder) {
-    absl::StatusOr<std::string> piece = live.decoder->Push(token.id);
-    if (piece.ok()) text = live.stops ? live.stops->Append(*piece) : *piece;
-  }
-  if (live.stops && live.stops->stopped()) {
-    p.callback(chunk_response(std::move(text), true));
-    Complete(seq_id, v1::FINISH_REASON_STOP_STRING, live.stops->matched());
-    return true;
-  }
-  const bool length = static_cast<int64_t>(live.output.size()) >= p.max_tokens;
-  if (length) text += flush_text();
-  p.callback(chunk_response(std::move(text), true));
-  if (length) {
-    Complete(seq_id, v1::FINISH_REASON_LENGTH, "");
-    return true;
-  }
+  send();
   return false;
 }
 
@@ -908,6 +1019,9 @@ void LocalEngine::PublishStats() {
   stat_step_seconds_ = step_seconds_;
   stat_coordinator_seconds_ = coordinator_seconds_;
   stat_prefix_ = scheduler_.prefix_cache_stats();
+  stat_spec_drafts_ = spec_drafts_;
+  stat_spec_draft_tokens_ = spec_draft_tokens_;
+  stat_spec_accepted_tokens_ = spec_accepted_tokens_;
 }
 
 namespace {
@@ -952,6 +1066,15 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
   if (options.step_token_budget < 1) return Invalid("step_token_budget", "must be >= 1");
   if (options.max_queue < 1) return Invalid("max_queue", "must be >= 1");
   if (options.default_max_tokens < 1) return Invalid("default_max_tokens", "must be >= 1");
+  if (options.speculative != SpeculativeMethod::kNone) {
+    if (options.draft_tokens < 1 || options.draft_tokens > kMaxDraftTokens) {
+      return Invalid("draft_tokens", absl::StrCat("must be in [1, ", kMaxDraftTokens, "]"));
+    }
+    if (options.draft_token_budget < 1) return Invalid("draft_token_budget", "must be >= 1");
+    if (options.ngram.min_match < 1 || options.ngram.max_match < options.ngram.min_match) {
+      return Invalid("ngram", "needs 1 <= min_match <= max_match");
+    }
+  }
   const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
   if (options.max_context > pool) {
     return Invalid("max_context", absl::StrCat(options.max_context, " exceeds the KV pool's ",

@@ -20,6 +20,11 @@
 // prompt + output), apply stop ids / EOS / max_tokens / stop strings, stream
 // a chunk, or complete. Responses are delivered on this thread; callbacks
 // must not block (engine.h). When idle it waits on a condition variable.
+// With speculative decoding (EngineOptions::speculative) each decoding
+// sequence first proposes draft tokens (ProposeDrafts), a step with drafts
+// runs ForwardVerified instead, and each drafting sequence's verified run
+// (accepted drafts + one token) is handled token by token and streamed as
+// one chunk.
 //
 // Output rules: stop token ids and EOS end the request without being part of
 // the output (as worker::Generate); the token that completes a stop string
@@ -44,7 +49,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -54,7 +61,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
+#include "coordinator/draft_length.h"
 #include "coordinator/engine_observer.h"
+#include "coordinator/ngram_drafter.h"
 #include "coordinator/scheduler.h"
 #include "coordinator/stop_strings.h"
 #include "coordinator/tokenizer/stream_decoder.h"
@@ -65,6 +74,22 @@
 #include "worker/rank/executor_factory.h"
 
 namespace exl3serve::coordinator {
+
+// Where speculative decoding's draft tokens come from.
+enum class SpeculativeMethod {
+  kNone,
+  kNgram,  // prompt lookup over the sequence's own tokens (ngram_drafter.h)
+};
+// "none" / "ngram" (the --speculative spellings); InvalidArgument otherwise,
+// naming the accepted values.
+absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name);
+const char* SpeculativeMethodName(SpeculativeMethod method);
+
+// Draft tokens per sequence per step at most: a drafting entry of 1 + k
+// tokens stays under the ranks' prefill-precision row count (17,
+// worker/model/linear.h kPrefillMinRows), so it runs at the precision its
+// serial decode runs at.
+inline constexpr int kMaxDraftTokens = 15;
 
 struct EngineOptions {
   // --- Behaviour ---
@@ -119,6 +144,18 @@ struct EngineOptions {
   // --- Performance ---
   int64_t max_running = 64;         // sequences per decode step
   int64_t step_token_budget = 512;  // new tokens per forward (chunked prefill)
+  // Speculative decoding: each decoding sequence proposes up to
+  // draft_tokens tokens per step (its window adapts to its acceptance,
+  // draft_length.h), the ranks verify them in the step's forward and the
+  // output is exactly the output without drafts. At most
+  // draft_token_budget draft tokens per step, from what the step's token
+  // budget leaves after decodes and running prefills (scheduler.h). An
+  // executor that cannot verify (StepExecutor::ForwardVerified
+  // Unimplemented) runs without drafts (logged once).
+  SpeculativeMethod speculative = SpeculativeMethod::kNone;
+  int draft_tokens = 4;               // 1..kMaxDraftTokens
+  int64_t draft_token_budget = 128;   // >= 1
+  NgramDrafterOptions ngram;          // kNgram's match lengths
 
   // --- An executor whose ranks live elsewhere (`exl3serve coordinator`) ---
   // When set, ready() and Submit also require executor_ready() (a remote
@@ -226,6 +263,10 @@ class LocalEngine final : public Engine {
     std::optional<absl::Time> first_token;
     std::optional<absl::Time> last_token;  // for inter-token latency
     std::string abort_reason;
+    // Speculative decoding: the sequence's tokens (prompt + output) and its
+    // draft window; absent when the engine does not draft.
+    std::optional<NgramDrafter> drafter;
+    std::optional<AdaptiveDraftLength> draft_length;
   };
 
   // Validates and converts `request` (the caller holds no lock).
@@ -234,8 +275,14 @@ class LocalEngine final : public Engine {
   void Loop();
   // Runs one Schedule + Forward + sampling. Scheduler thread only.
   void Step();
-  // Handles the sampled token of `live`; true when the request ended.
-  bool OnToken(int64_t seq_id, Live& live, const worker::SampledToken& token, absl::Time now);
+  // Proposes each decoding sequence's draft for the next Schedule.
+  void ProposeDrafts();
+  // Handles the tokens drawn for `live` in one step (one, or a verified run:
+  // accepted drafts + the next token) in order — stop ids / EOS / stop
+  // strings / max_tokens end it there — and streams them as one chunk; true
+  // when the request ended.
+  bool OnRun(int64_t seq_id, Live& live, std::span<const worker::SampledToken> run,
+             absl::Time now);
   // Final responses; erase the request (scheduler thread only).
   void Complete(int64_t seq_id, v1::FinishReason reason, const std::string& matched_stop);
   void Fail(int64_t seq_id, absl::StatusCode code, const std::string& message);
@@ -268,6 +315,10 @@ class LocalEngine final : public Engine {
   Scheduler scheduler_;
   absl::flat_hash_map<int64_t, Live> live_;
   std::vector<worker::SampledToken> tokens_;  // the last step's, per batch entry
+  std::vector<std::vector<worker::SampledToken>> runs_;  // the same, of a verified step
+  // False once the executor answered ForwardVerified with Unimplemented.
+  bool drafting_ = false;
+  uint64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_tokens_ = 0;
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).
   uint64_t steps_ = 0;
@@ -297,6 +348,9 @@ class LocalEngine final : public Engine {
   uint64_t stat_result_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_sampled_sequences_ ABSL_GUARDED_BY(mu_) = 0;
   PrefixCacheStats stat_prefix_ ABSL_GUARDED_BY(mu_);
+  uint64_t stat_spec_drafts_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_spec_draft_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_spec_accepted_tokens_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread thread_;  // the scheduler thread; joined by Shutdown
   absl::Mutex join_mu_;  // serialises Shutdown's join

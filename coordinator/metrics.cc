@@ -176,6 +176,24 @@ struct CoordinatorMetrics::Impl {
                            .Help("Prefix cache disk tier: slots reused for other blocks.")
                            .Register(registry)
                            .Add(model)),
+        spec_drafts(prometheus::BuildCounter()
+                        .Name("exl3serve:spec_decode_num_drafts_total")
+                        .Help("Speculative decoding: drafts verified (a sequence's draft "
+                              "tokens in one step).")
+                        .Register(registry)
+                        .Add(model)),
+        spec_draft_tokens(prometheus::BuildCounter()
+                              .Name("exl3serve:spec_decode_num_draft_tokens_total")
+                              .Help("Speculative decoding: draft tokens verified.")
+                              .Register(registry)
+                              .Add(model)),
+        spec_accepted_tokens(prometheus::BuildCounter()
+                                 .Name("exl3serve:spec_decode_num_accepted_tokens_total")
+                                 .Help("Speculative decoding: draft tokens accepted (equal to "
+                                       "the ranks' own draw). Mean accepted length = 1 + "
+                                       "accepted / drafts.")
+                                 .Register(registry)
+                                 .Add(model)),
         disk_used(prometheus::BuildGauge()
                       .Name("exl3serve:prefix_cache_disk_used_blocks")
                       .Help("Prefix cache disk tier: slots holding a block now.")
@@ -261,6 +279,7 @@ struct CoordinatorMetrics::Impl {
   prometheus::Family<Counter>& failure;
   Counter &preemptions, &restarts, &replays, &prefix_queries, &prefix_hits, &prefix_evictions;
   Counter &disk_saved, &disk_hits, &disk_misses, &disk_evictions;
+  Counter &spec_drafts, &spec_draft_tokens, &spec_accepted_tokens;
   Gauge& disk_used;
   Gauge& prefix_blocks;
   Counter &steps, &coordinator_seconds;
@@ -274,6 +293,8 @@ struct CoordinatorMetrics::Impl {
   uint64_t prefix_evictions_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t disk_saved_seen ABSL_GUARDED_BY(mu) = 0, disk_hits_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t disk_misses_seen ABSL_GUARDED_BY(mu) = 0, disk_evictions_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t spec_drafts_seen ABSL_GUARDED_BY(mu) = 0, spec_draft_tokens_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t spec_accepted_tokens_seen ABSL_GUARDED_BY(mu) = 0;
 };
 
 namespace {
@@ -307,6 +328,10 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
     CatchUp(m.disk_hits, info.prefix_cache_disk_hit_blocks(), &m.disk_hits_seen);
     CatchUp(m.disk_misses, info.prefix_cache_disk_miss_blocks(), &m.disk_misses_seen);
     CatchUp(m.disk_evictions, info.prefix_cache_disk_evicted_blocks(), &m.disk_evictions_seen);
+    CatchUp(m.spec_drafts, info.spec_decode_num_drafts(), &m.spec_drafts_seen);
+    CatchUp(m.spec_draft_tokens, info.spec_decode_num_draft_tokens(), &m.spec_draft_tokens_seen);
+    CatchUp(m.spec_accepted_tokens, info.spec_decode_num_accepted_tokens(),
+            &m.spec_accepted_tokens_seen);
   }
   m.prefix_blocks.Set(info.prefix_cache_blocks());
   m.disk_used.Set(static_cast<double>(info.prefix_cache_disk_used_blocks()));

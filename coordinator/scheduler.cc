@@ -183,11 +183,28 @@ absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::T
 }
 
 void Scheduler::AppendToken(int64_t seq_id, int32_t token) {
+  AppendRun(seq_id, std::span<const int32_t>(&token, 1));
+}
+
+void Scheduler::ProposeDraft(int64_t seq_id, std::vector<int32_t> draft) {
+  auto it = seqs_.find(seq_id);
+  EXL3_CHECK(it != seqs_.end());
+  it->second.proposed_draft = std::move(draft);
+}
+
+void Scheduler::AppendRun(int64_t seq_id, std::span<const int32_t> run) {
   auto it = seqs_.find(seq_id);
   EXL3_CHECK(it != seqs_.end());
   Sequence& seq = it->second;
   EXL3_CHECK(seq.running && seq.computed == static_cast<int64_t>(seq.tokens.size()));
-  seq.tokens.push_back(token);
+  const int64_t accepted = static_cast<int64_t>(run.size()) - 1;
+  EXL3_CHECK(accepted >= 0 && accepted <= seq.drafted);
+  // The accepted drafts are in the ranks' caches (verify_tokens[1..]).
+  EXL3_CHECK(std::equal(run.begin(), run.begin() + accepted, seq.verify_tokens.begin() + 1));
+  seq.tokens.insert(seq.tokens.end(), run.begin(), run.end());
+  seq.computed += accepted;
+  seq.drafted = 0;
+  seq.verify_tokens.clear();
   seq.decoding = true;
 }
 
@@ -285,6 +302,7 @@ void Scheduler::Preempt(int64_t seq_id, ScheduleOutput* out) {
   seq.computed = 0;
   seq.running = false;
   seq.decoding = false;
+  seq.drafted = 0;
   running_.erase(std::find(running_.begin(), running_.end(), seq_id));
   waiting_.push_front(seq_id);
   // A sequence admitted in this very step never reached the executor.
@@ -319,6 +337,35 @@ void Scheduler::Emit(int64_t seq_id, int64_t count, ScheduleOutput* out) {
   seq.computed += count;
   chunk.needs_logits = seq.computed == static_cast<int64_t>(seq.tokens.size());
   out->batch.push_back(chunk);
+}
+
+void Scheduler::EmitDrafts(int64_t* budget, ScheduleOutput* out) {
+  int64_t left = std::min(*budget, options_.draft_token_budget);
+  for (ScheduledChunk& chunk : out->batch) {
+    if (left <= 0) break;
+    Sequence& seq = seqs_.at(chunk.seq_id);
+    if (seq.proposed_draft.empty() || chunk.tokens.size() != 1 || !chunk.needs_logits) continue;
+    // Drafts take free blocks only: they never preempt.
+    const int64_t k = std::min({static_cast<int64_t>(seq.proposed_draft.size()), left,
+                                TokensThatFit(seq)});
+    if (k <= 0) continue;
+    const int64_t needed =
+        BlocksFor(seq.computed + k) - static_cast<int64_t>(seq.blocks.size());
+    for (int64_t i = 0; i < needed; ++i) {
+      const int32_t b = pool_.Allocate();
+      seq.blocks.push_back(b);
+      chunk.new_blocks.push_back(b);
+    }
+    seq.verify_tokens.assign(1, chunk.tokens[0]);
+    seq.verify_tokens.insert(seq.verify_tokens.end(), seq.proposed_draft.begin(),
+                             seq.proposed_draft.begin() + k);
+    seq.drafted = k;
+    chunk.tokens = seq.verify_tokens;
+    chunk.num_draft = k;
+    left -= k;
+    *budget -= k;
+  }
+  for (auto& [id, seq] : seqs_) seq.proposed_draft.clear();
 }
 
 ScheduleOutput Scheduler::Schedule(absl::Time now) {
@@ -387,6 +434,8 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
     in_batch[id] = true;
     budget -= count;
   }
+  // 2b. Drafts, from what the running sequences left.
+  EmitDrafts(&budget, &out);
 
   // 3. Admission, FCFS, unless this step preempted (it would thrash).
   if (out.preempted.empty()) {
@@ -456,6 +505,7 @@ std::vector<int64_t> Scheduler::RequeueAll() {
     seq.computed = 0;
     seq.running = false;
     seq.decoding = false;
+    seq.drafted = 0;
     waiting_.push_front(*it);
     requeued.push_back(*it);
   }

@@ -69,8 +69,11 @@
 //   I1  free_blocks() + |distinct blocks held by running sequences| ==
 //       num_blocks (free_blocks() counts cached unreferenced blocks: an
 //       allocation may evict them); waiting sequences hold none.
-//   I2  A running sequence holding `computed` cached positions holds exactly
-//       ceil(computed / page) blocks once the batch has run, as a block table
+//   I2  A running sequence holding `computed` cached positions holds
+//       ceil(computed / page) blocks once the batch has run — plus, after a
+//       drafting step, the tail blocks its rejected draft positions took
+//       (at most ceil((computed + num_draft) / page) in all: never full, so
+//       never sealed, and its next tokens fill them) — as a block table
 //       of distinct ids in [0, num_blocks) (block_table()); a block in two
 //       tables lies in each at an index < computed / page (full) and was
 //       sealed; a batch entry's new_blocks are the ids appended to its table
@@ -81,8 +84,9 @@
 //   I3  Σ tokens of a batch <= step_token_budget; running <= max_running;
 //       each sequence appears at most once per batch, with >= 1 token.
 //   I4  A batch entry's tokens are the sequence's tokens [computed, computed
-//       + count); needs_logits is true iff they end at the sequence's last
-//       token (a prefill chunk that does not complete the prompt needs none).
+//       + count), then for a drafting entry its num_draft draft tokens;
+//       needs_logits is true iff the sequence's tokens end at its last token
+//       (a prefill chunk that does not complete the prompt needs none).
 //   I5  Preemption never changes a sequence's tokens; after re-admission it
 //       re-prefills exactly the tokens it had.
 //   I6  Liveness: a victim is always the most recently admitted sequence not
@@ -91,6 +95,20 @@
 //       sequence's final length <= the pool's positions (Add enforces it for
 //       the prompt, the engine for prompt + max_tokens) every sequence
 //       finishes (the randomized test drives workloads to completion).
+//
+// Speculative decoding (SchedulerOptions::draft_token_budget > 0): before a
+// Schedule() the caller may ProposeDraft tokens for a sequence that awaits
+// exactly one token's forward (a decode). Schedule() first serves every
+// running sequence as above, then, from the budget left and within
+// draft_token_budget, appends drafts to those single-token chunks in batch
+// order (oldest decoders first): the chunk becomes [last token, d1..dk]
+// (ScheduledChunk::num_draft = k, k maybe cut short by the budgets or the
+// free blocks — drafts never preempt and never wait for a block), with
+// blocks for every draft position. After the forward, AppendRun(seq_id, run)
+// takes what the ranks verified — the accepted drafts and the token sampled
+// after them — and advances `computed` by 1 + accepted; the rejected
+// positions' KV is dropped on the ranks (their pages stay assigned, I2).
+// Proposals not used by a Schedule() are discarded by it.
 //
 // Schedule() assumes the batch it returns will run: the sequences' cached
 // positions are advanced when it returns. If the forward fails the caller
@@ -135,6 +153,11 @@ struct SchedulerOptions {
   std::string prefix_cache_salt;
   // Slots of every rank's disk tier (0 = none); needs enable_prefix_caching.
   int64_t disk_blocks = 0;
+  // Draft tokens per step at most (speculative decoding; see the top of the
+  // file), taken from what step_token_budget leaves after the running
+  // sequences' decodes and prefill chunks, before admissions. 0: proposals
+  // are ignored.
+  int64_t draft_token_budget = 0;
 };
 
 // Cumulative prefix-cache counters, in tokens (vLLM's prefix_cache_queries /
@@ -173,6 +196,10 @@ struct ScheduledChunk {
   std::span<const int32_t> tokens;
   // The chunk ends at the sequence's last token: its logits give the next one.
   bool needs_logits = false;
+  // Speculative decoding: the last num_draft of `tokens` are draft tokens
+  // (a decode chunk of 1 + num_draft tokens; needs_logits is true); the
+  // sequence's tokens end before them.
+  int64_t num_draft = 0;
   // Block ids appended to the sequence's block table for this chunk (possibly
   // none), in table order: the executor's AssignPages before the forward.
   std::vector<int32_t> new_blocks;
@@ -218,8 +245,21 @@ class Scheduler {
 
   // Appends the token sampled from the logits of `seq_id`'s last batch entry
   // (needs_logits). Requires: the sequence is running and all its tokens
-  // were scheduled (CHECKed).
+  // were scheduled (CHECKed). After a drafting entry: every draft was
+  // rejected (AppendRun of one token).
   void AppendToken(int64_t seq_id, int32_t token);
+  // Speculative decoding: draft tokens for the sequence's next step (see the
+  // top of the file); replaces an earlier proposal. Ignored unless the
+  // sequence then awaits a single-token forward and draft_token_budget > 0.
+  // Requires: Contains(seq_id) (CHECKed).
+  void ProposeDraft(int64_t seq_id, std::vector<int32_t> draft);
+  // What the forward of `seq_id`'s drafting entry verified: its first
+  // run.size() - 1 draft tokens were accepted, run.back() was sampled after
+  // them. Appends the run, advances computed by run.size(). Requires: as
+  // AppendToken, and 1 <= run.size() <= num_draft + 1 with run's first
+  // tokens equal to the drafts (CHECKed: the caller validates what the ranks
+  // return).
+  void AppendRun(int64_t seq_id, std::span<const int32_t> run);
   // The sequence is done; it is removed (blocks freed, listed in `release`
   // and `finished`) by the next Schedule(). False for an unknown id.
   bool Finish(int64_t seq_id);
@@ -303,6 +343,12 @@ class Scheduler {
     // is admitted; whether this admission looked on disk already.
     std::vector<int32_t> preloaded;
     bool disk_tried = false;
+    // Speculative decoding: the caller's proposal for the next step; the
+    // scheduled chunk [last token, drafts...] (ScheduledChunk::tokens points
+    // here) and its draft count, until AppendRun.
+    std::vector<int32_t> proposed_draft;
+    std::vector<int32_t> verify_tokens;
+    int64_t drafted = 0;
   };
 
   int64_t BlocksFor(int64_t positions) const {
@@ -336,6 +382,9 @@ class Scheduler {
   void Erase(int64_t seq_id);
   // Schedules `count` tokens of running sequence `seq_id` (allocating blocks).
   void Emit(int64_t seq_id, int64_t count, ScheduleOutput* out);
+  // Appends proposed drafts to this step's single-token chunks, within
+  // `*budget` and draft_token_budget; discards every proposal.
+  void EmitDrafts(int64_t* budget, ScheduleOutput* out);
 
   SchedulerOptions options_;
   absl::flat_hash_map<int64_t, Sequence> seqs_;

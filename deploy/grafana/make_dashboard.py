@@ -138,6 +138,26 @@ panel("KV disk tier per rank: bytes and failures", [
       description="Each rank's file of evicted KV blocks: bytes written and read back, and blocks that "
                   "came back as misses (corrupt, dropped or failed I/O: recomputed, never used).")
 
+panel("Speculative decoding: acceptance", [
+    ("sum(rate(exl3serve:spec_decode_num_accepted_tokens_total{%s}[%s])) / "
+     "sum(rate(exl3serve:spec_decode_num_draft_tokens_total{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "acceptance rate"),
+], "percentunit", 0, 80, w=8,
+      description="Draft tokens the ranks accepted (equal to their own draw) over draft tokens verified.")
+panel("Speculative decoding: mean accepted length", [
+    ("1 + sum(rate(exl3serve:spec_decode_num_accepted_tokens_total{%s}[%s])) / "
+     "sum(rate(exl3serve:spec_decode_num_drafts_total{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "tokens per drafting step"),
+], "short", 8, 80, w=8,
+      description="Tokens a drafting sequence gains per step: 1 + accepted drafts (vLLM's mean acceptance "
+                  "length).")
+panel("Speculative decoding: draft and accepted tokens/s", [
+    ("sum(rate(exl3serve:spec_decode_num_draft_tokens_total{%s}[%s]))" % (SEL, RATE), "drafted/s"),
+    ("sum(rate(exl3serve:spec_decode_num_accepted_tokens_total{%s}[%s]))" % (SEL, RATE), "accepted/s"),
+    ("sum(rate(exl3serve:spec_decode_num_drafts_total{%s}[%s]))" % (SEL, RATE), "drafts/s"),
+], "short", 16, 80, w=8,
+      description="serve --speculative ngram: drafts verified per second, their tokens, and those accepted.")
+
 dashboard = {
     "title": "exl3serve",
     "uid": "exl3serve",

@@ -17,13 +17,18 @@ BUILD/python. Subcommands (all take --addr and --stubs):
                               --within-s of the kill, its tokens a prefix of
                               the reference
   info     [--ready 0|1] [--min-replays N] [--up R,..] [--down R,..]
+           [--min-preemptions N] [--min-drafts N] [--min-accepted N]
                               GetServerInfo answers, with that readiness, at
-                              least N replays and those ranks up / down
+                              least N replays and those ranks up / down, at
+                              least N preemptions, speculative drafts verified
+                              and draft tokens accepted
   one      --refs FILE [--min-cached N]
                               stream 0 alone again equals its reference (and
                               reports at least N prompt tokens cached)
   same     A.json B.json      two reference files hold the same tokens
 
+--repetitive (before the subcommand): each prompt repeats a span of its own
+three times after the shared prefix (what n-gram drafts are for).
 --sampled (before the subcommand): every request samples (temperature 0.8,
 top-p 0.9, top-k 50, repetition 1.1, presence 0.3, frequency 0.2) with seed
 1000 + its stream index instead of greedy decoding. --kill-pid 0: no kill
@@ -52,12 +57,18 @@ def fail(msg):
 SHARED_PREFIX = [1 + (k * 53) % 997 for k in range(21)]
 
 
+REPETITIVE = False
+
+
 def prompts(n):
     """n prompts: a shared 21-token prefix (a full KV block the server's
     prefix cache shares, also across a replay) then 3..15 tokens of their
-    own, ids in [1, 998)."""
-    return [SHARED_PREFIX + [1 + (i * 37 + j * 11 + i * j) % 997 for j in range(3 + (i * 5) % 13)]
-            for i in range(n)]
+    own, ids in [1, 998); with --repetitive those tokens three times."""
+    out = []
+    for i in range(n):
+        own = [1 + (i * 37 + j * 11 + i * j) % 997 for j in range(3 + (i * 5) % 13)]
+        out.append(SHARED_PREFIX + own * (3 if REPETITIVE else 1))
+    return out
 
 
 class Stream:
@@ -211,9 +222,16 @@ def cmd_info(c, a):
         for rank in filter(None, ranks.split(",")):
             if up.get(int(rank)) is not want:
                 fail(f"GetServerInfo.ranks: rank {rank} is {up.get(int(rank))}, want up={want}")
+    for field, want in (("num_preemptions", a.min_preemptions), ("spec_decode_num_drafts", a.min_drafts),
+                        ("spec_decode_num_accepted_tokens", a.min_accepted)):
+        if getattr(info, field) < want:
+            fail(f"GetServerInfo.{field} = {getattr(info, field)}, want >= {want}")
     ranks = ", ".join(f"{r.rank}:{'up' if r.up else 'down'}" for r in info.ranks)
     print(f"info: ready {info.ready}, replays {info.num_replays}, running "
-          f"{info.num_requests_running}, ranks [{ranks}]", flush=True)
+          f"{info.num_requests_running}, ranks [{ranks}], preemptions {info.num_preemptions}, "
+          f"speculative '{info.speculative_method}': {info.spec_decode_num_drafts} drafts, "
+          f"{info.spec_decode_num_draft_tokens} draft tokens, "
+          f"{info.spec_decode_num_accepted_tokens} accepted", flush=True)
 
 
 def cmd_same(c, a):
@@ -247,6 +265,7 @@ def main():
     ap.add_argument("--addr", required=True)
     ap.add_argument("--stubs", required=True)
     ap.add_argument("--sampled", action="store_true", help="seeded sampling instead of greedy")
+    ap.add_argument("--repetitive", action="store_true", help="prompts repeat a span (n-gram drafts)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("refs")
     p.add_argument("--out", required=True)
@@ -263,6 +282,9 @@ def main():
     p.add_argument("--min-replays", type=int, default=0)
     p.add_argument("--up", default="", help="ranks GetServerInfo must list as up (1,2)")
     p.add_argument("--down", default="", help="ranks it must list as down")
+    p.add_argument("--min-preemptions", type=int, default=0)
+    p.add_argument("--min-drafts", type=int, default=0, help="speculative drafts verified")
+    p.add_argument("--min-accepted", type=int, default=0, help="draft tokens accepted")
     p = sub.add_parser("one")
     p.add_argument("--refs", required=True)
     p.add_argument("--min-cached", type=int, default=0, help="prompt tokens the prefix cache must serve")
@@ -270,6 +292,8 @@ def main():
     p.add_argument("a")
     p.add_argument("b")
     a = ap.parse_args()
+    global REPETITIVE
+    REPETITIVE = a.repetitive
     c = Client(a.addr, a.stubs, sampled=a.sampled) if a.cmd != "same" else None
     {"refs": cmd_refs, "streams": cmd_streams, "info": cmd_info, "one": cmd_one,
      "same": cmd_same}[a.cmd](c, a)

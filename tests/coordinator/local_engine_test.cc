@@ -71,6 +71,13 @@ class GatedExecutor final : public worker::StepExecutor {
     Gate();
     return inner_->ForwardSampled(batch, sample, tokens);
   }
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override {
+    Gate();
+    return inner_->ForwardVerified(batch, sample, draft_counts, runs);
+  }
   void Gate() {
     absl::MutexLock lock(&mu_);
     if (held_) {
@@ -133,6 +140,10 @@ class Stream {
   std::vector<int32_t> streamed() {
     absl::MutexLock lock(&mu_);
     return streamed_;
+  }
+  int chunks() {
+    absl::MutexLock lock(&mu_);
+    return chunks_;
   }
 
  private:
@@ -583,6 +594,12 @@ class ForwardingExecutor : public worker::StepExecutor {
                               std::vector<worker::SampledToken>* tokens) override {
     return inner_->ForwardSampled(batch, sample, tokens);
   }
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override {
+    return inner_->ForwardVerified(batch, sample, draft_counts, runs);
+  }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {
     return inner_->Forward(batch, rows, logits);
@@ -617,6 +634,15 @@ class PageAuditExecutor final : public ForwardingExecutor {
                               std::span<const uint8_t> sample,
                               std::vector<worker::SampledToken>* tokens) override {
     absl::Status s = inner_->ForwardSampled(batch, sample, tokens);
+    if (!s.ok()) return s;
+    Audit(batch);
+    return s;
+  }
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override {
+    absl::Status s = inner_->ForwardVerified(batch, sample, draft_counts, runs);
     if (!s.ok()) return s;
     Audit(batch);
     return s;
@@ -769,6 +795,13 @@ class ReformingExecutor final : public worker::StepExecutor {
                               std::vector<worker::SampledToken>* tokens) override {
     if (!dead_ && left_-- <= 0) dead_ = true;
     return dead_ ? Dead() : inner_->ForwardSampled(batch, sample, tokens);
+  }
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override {
+    if (!dead_ && left_-- <= 0) dead_ = true;
+    return dead_ ? Dead() : inner_->ForwardVerified(batch, sample, draft_counts, runs);
   }
   absl::Status Recover(absl::Time) override {
     if (!recoverable_.load()) return absl::UnavailableError("rank 1 is still missing");
@@ -1057,6 +1090,210 @@ TEST_F(LocalEngineTest, ARequestCanOptOutOfThePrefixCache) {
   EXPECT_EQ(r3.complete().cached_tokens(), 0u);
   EXPECT_EQ(Ids(r3.complete()), Ids(r2.complete()));
   EXPECT_EQ(Ids(r2.complete()), Alone(prompt, 4));
+}
+
+// --- Speculative decoding (n-gram drafts verified on the "ranks") ---
+
+// 32 requests whose prompts repeat a span (what prompt lookup drafts
+// from): greedy, seeded sampling with penalties, stop ids; submitted at once
+// (batched) or one after another (alone).
+struct SpecRun {
+  std::vector<std::vector<int32_t>> outputs;
+  std::vector<v1::FinishReason> reasons;
+  int chunks = 0;
+  v1::GetServerInfoResponse info;
+};
+
+SpecRun RunRepetitive(LocalEngine& engine, bool alone) {
+  constexpr int kRequests = 32;
+  SpecRun run;
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kRequests; ++i) {
+    const std::vector<int32_t> span = Prompt(4 + i % 7, 300 + i);
+    std::vector<int32_t> prompt;
+    for (int r = 0; r < 2 + i % 3; ++r) prompt.insert(prompt.end(), span.begin(), span.end());
+    const std::vector<int32_t> tail = Prompt(i % 4, 700 + i);
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    v1::GenerateRequest r = Request(prompt, 5 + (i * 5) % 29, absl::StrCat("s", i));
+    if (i % 3 == 1) {
+      r.mutable_sampling_params()->set_temperature(1.0f);
+      r.mutable_sampling_params()->set_top_k(20);
+      r.mutable_sampling_params()->set_repetition_penalty(1.1f);
+      r.mutable_sampling_params()->set_seed(5000 + i);
+      r.mutable_sampling_params()->set_logprobs(true);
+    }
+    if (i % 5 == 4) r.mutable_sampling_params()->add_stop_token_ids(static_cast<uint32_t>(span[1]));
+    streams.push_back(std::make_unique<Stream>());
+    EXPECT_TRUE(engine.Submit(r, streams.back()->Callback()).ok());
+    if (alone) streams.back()->Wait();
+  }
+  for (int i = 0; i < kRequests; ++i) {
+    const v1::GenerateResponse r = streams[i]->Wait();
+    EXPECT_TRUE(r.has_complete()) << r.DebugString();
+    run.outputs.push_back(Ids(r.complete()));
+    run.reasons.push_back(r.complete().finish_reason());
+    EXPECT_EQ(streams[i]->streamed(), run.outputs.back()) << "request " << i;
+    run.chunks += streams[i]->chunks();
+  }
+  EXPECT_TRUE(engine.WaitForIdle(absl::Now() + kWait));
+  run.info = engine.GetServerInfo();
+  return run;
+}
+
+EngineOptions Speculative(EngineOptions options) {
+  options.speculative = SpeculativeMethod::kNgram;
+  options.draft_tokens = 5;
+  options.draft_token_budget = 24;
+  return options;
+}
+
+TEST_F(LocalEngineTest, DraftedOutputIsTheOutputWithoutDraftsBatchedAndAlone) {
+  const SpecRun reference = RunRepetitive(*Engine(Options(128, 4)), /*alone=*/false);
+  EXPECT_EQ(reference.info.spec_decode_num_drafts(), 0u);
+  EXPECT_EQ(reference.info.speculative_method(), "");
+  for (const bool alone : {false, true}) {
+    SCOPED_TRACE(alone ? "alone" : "batched");
+    const SpecRun drafted = RunRepetitive(*Engine(Speculative(Options(128, 4))), alone);
+    ASSERT_EQ(drafted.outputs.size(), reference.outputs.size());
+    for (size_t i = 0; i < drafted.outputs.size(); ++i) {
+      EXPECT_EQ(drafted.outputs[i], reference.outputs[i]) << "request " << i;
+      EXPECT_EQ(drafted.reasons[i], reference.reasons[i]) << "request " << i;
+    }
+    EXPECT_EQ(drafted.info.speculative_method(), "ngram");
+    EXPECT_GT(drafted.info.spec_decode_num_drafts(), 0u);
+    EXPECT_GT(drafted.info.spec_decode_num_accepted_tokens(), 0u);
+    EXPECT_LE(drafted.info.spec_decode_num_accepted_tokens(),
+              drafted.info.spec_decode_num_draft_tokens());
+    // An accepted run streams as one chunk: fewer chunks than tokens.
+    EXPECT_LT(drafted.chunks, reference.chunks);
+    EXPECT_EQ(drafted.info.kv_blocks_free(), drafted.info.kv_blocks_total());
+  }
+}
+
+TEST_F(LocalEngineTest, DraftingThroughPreemptionThePrefixCacheAndAReplayGivesTheSameTokens) {
+  EngineOptions off = Options(40, 4);  // small: decoding preempts
+  off.enable_prefix_caching = false;
+  const ChatRun reference = RunChats(*Engine(off));
+  const EngineOptions on = Speculative(Options(40, 4));
+  auto model_facts = [] {
+    EngineModel m;
+    m.facts = {.arch = model->transformer->config().arch,
+               .eos_token_ids = model->transformer->config().eos_token_ids};
+    return m;
+  };
+  {
+    auto owned = std::make_unique<PageAuditExecutor>(on.kv);
+    PageAuditExecutor* audit = owned.get();
+    auto engine = std::make_unique<LocalEngine>(on, model_facts(), std::move(owned));
+    const ChatRun drafted = RunChats(*engine);
+    for (size_t i = 0; i < drafted.outputs.size(); ++i) {
+      EXPECT_EQ(drafted.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
+    }
+    EXPECT_GT(drafted.info.num_preemptions(), 0u);
+    EXPECT_GT(drafted.info.spec_decode_num_drafts(), 0u);
+    EXPECT_EQ(drafted.info.kv_blocks_free(), 40u);
+    EXPECT_EQ(audit->mismatches(), 0);
+    engine->Shutdown();
+  }
+  // A rank dies after 25 forwards, drafts in flight.
+  auto dying = std::make_unique<ReformingExecutor>(on.kv, 25, /*recoverable=*/true);
+  ReformingExecutor* reforming = dying.get();
+  auto engine = std::make_unique<LocalEngine>(on, model_facts(), std::move(dying));
+  const ChatRun replayed = RunChats(*engine);
+  for (size_t i = 0; i < replayed.outputs.size(); ++i) {
+    EXPECT_EQ(replayed.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
+  }
+  EXPECT_EQ(reforming->recoveries(), 1);
+  EXPECT_GT(replayed.info.num_replays(), 0u);
+}
+
+// An executor that cannot verify drafts (an older rank group).
+class NoVerifyExecutor final : public ForwardingExecutor {
+ public:
+  using ForwardingExecutor::ForwardingExecutor;
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens>, std::span<const uint8_t>,
+                               std::span<const int32_t>,
+                               std::vector<std::vector<worker::SampledToken>>*) override {
+    ++refusals_;
+    return absl::UnimplementedError("rank protocol v4 has no verification");
+  }
+  int refusals() const { return refusals_; }
+
+ private:
+  int refusals_ = 0;
+};
+
+TEST_F(LocalEngineTest, AnExecutorThatCannotVerifyServesWithoutDrafts) {
+  const SpecRun reference = RunRepetitive(*Engine(Options(128, 4)), /*alone=*/false);
+  const EngineOptions on = Speculative(Options(128, 4));
+  EngineModel m;
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
+  auto owned = std::make_unique<NoVerifyExecutor>(on.kv);
+  NoVerifyExecutor* executor = owned.get();
+  LocalEngine engine(on, std::move(m), std::move(owned));
+  const SpecRun run = RunRepetitive(engine, /*alone=*/false);
+  EXPECT_EQ(run.outputs, reference.outputs);
+  EXPECT_EQ(executor->refusals(), 1);  // asked once, then never again
+  EXPECT_EQ(run.info.spec_decode_num_drafts(), 0u);
+}
+
+// Rank 0 claims a draft token was accepted that was not the draft.
+class LyingVerifier final : public ForwardingExecutor {
+ public:
+  using ForwardingExecutor::ForwardingExecutor;
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override {
+    absl::Status s = inner_->ForwardVerified(batch, sample, draft_counts, runs);
+    for (auto& run : *runs) {
+      if (run.size() >= 2) run[0].id = (run[0].id + 1) % 1000;
+    }
+    return s;
+  }
+};
+
+TEST_F(LocalEngineTest, ARunThatDoesNotMatchItsDraftIsAnInternalErrorNotACrash) {
+  const EngineOptions on = Speculative(Options(128, 4));
+  EngineModel m;
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
+  LocalEngine engine(on, std::move(m), std::make_unique<LyingVerifier>(on.kv));
+  // A prompt that repeats, so drafts are proposed and (truly) accepted.
+  std::vector<int32_t> prompt;
+  const std::vector<int32_t> span = Prompt(6, 11);
+  for (int r = 0; r < 4; ++r) prompt.insert(prompt.end(), span.begin(), span.end());
+  bool saw_error = false;
+  for (int attempt = 0; attempt < 8 && !saw_error; ++attempt) {
+    Stream stream;
+    std::vector<int32_t> varied = prompt;
+    varied.push_back(Prompt(1, 50 + attempt)[0]);
+    ASSERT_TRUE(engine.Submit(Request(varied, 40), stream.Callback()).ok());
+    const v1::GenerateResponse r = stream.Wait();
+    if (r.has_error()) {
+      EXPECT_EQ(r.error().code(), static_cast<int>(absl::StatusCode::kInternal));
+      EXPECT_NE(r.error().message().find("where its draft was"), std::string::npos)
+          << r.error().message();
+      saw_error = true;
+    }
+  }
+  EXPECT_TRUE(saw_error);
+  EXPECT_TRUE(engine.WaitForIdle(absl::Now() + kWait));
+  EXPECT_TRUE(engine.ready());
+}
+
+TEST_F(LocalEngineTest, SpeculativeOptionsAreValidated) {
+  EngineOptions options = Speculative(Options(64, 16));
+  options.draft_tokens = kMaxDraftTokens + 1;
+  EXPECT_EQ(CreateLocalEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.draft_tokens = 0;
+  EXPECT_EQ(CreateLocalEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.draft_tokens = 4;
+  options.draft_token_budget = 0;
+  EXPECT_EQ(CreateLocalEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParseSpeculativeMethod("medusa").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*ParseSpeculativeMethod("ngram"), SpeculativeMethod::kNgram);
 }
 
 }  // namespace

@@ -71,6 +71,15 @@ class Harness {
   }
   uint64_t disk_faults() const { return disk_faults_; }
 
+  // A rank's verification rejected the last `rejected` positions of the
+  // sequence's drafting entry: its cache length drops (pages stay).
+  void Rollback(int64_t seq_id, int64_t rejected) {
+    cache_->SetLength(seq_id, cache_->Length(seq_id) - rejected);
+  }
+  // The longest draft ever proposed (bounds the tail blocks, I2).
+  void set_max_draft(int64_t n) { max_draft_ = n; }
+  uint64_t drafting_entries() const { return drafting_entries_; }
+
   std::vector<int64_t> FailAndReform() {
     NewCache();
     disk_.clear();  // the ranks' files are created again
@@ -127,7 +136,12 @@ class Harness {
       const std::span<const int32_t> table = scheduler_.block_table(c.seq_id);
       EXPECT_EQ(cache_->PageTable(c.seq_id), std::vector<int64_t>(table.begin(), table.end()))
           << "sequence " << c.seq_id;
-      std::span<const int32_t> all = scheduler_.tokens(c.seq_id);
+      const std::span<const int32_t> seq_tokens = scheduler_.tokens(c.seq_id);
+      // What the rank computes on: the sequence's tokens before the chunk,
+      // then the chunk (for a drafting entry its drafts follow the tokens).
+      std::vector<int32_t> ext(seq_tokens.begin(), seq_tokens.begin() + c.start);
+      ext.insert(ext.end(), c.tokens.begin(), c.tokens.end());
+      std::span<const int32_t> all = ext;
       if (assigned.ok() && reserved.ok()) {
         // What the attention of this chunk reads: the sequence's own prefix.
         if (c.start > 0) {
@@ -150,12 +164,19 @@ class Harness {
         cache_->Write(c.seq_id, 0, c.start, end - c.start, k.data(), v.data());
         cache_->SetLength(c.seq_id, end);
       }
-      // I4
-      EXPECT_TRUE(std::equal(c.tokens.begin(), c.tokens.end(), all.begin() + c.start));
-      EXPECT_EQ(c.needs_logits, end == static_cast<int64_t>(all.size()));
-      EXPECT_EQ(scheduler_.blocks_held(c.seq_id),
-                (scheduler_.computed(c.seq_id) + options_.page_size_tokens - 1) /
-                    options_.page_size_tokens);
+      // I4 (a drafting entry: the sequence's tokens end before its drafts)
+      const int64_t own = static_cast<int64_t>(c.tokens.size()) - c.num_draft;
+      EXPECT_TRUE(c.num_draft == 0 || (c.needs_logits && own == 1)) << "sequence " << c.seq_id;
+      EXPECT_TRUE(std::equal(c.tokens.begin(), c.tokens.begin() + own, seq_tokens.begin() + c.start));
+      EXPECT_EQ(c.needs_logits, c.start + own == static_cast<int64_t>(seq_tokens.size()));
+      // I2: ceil(computed / page) blocks, plus those of the drafts' positions.
+      const int64_t page = options_.page_size_tokens;
+      EXPECT_GE(scheduler_.blocks_held(c.seq_id),
+                (scheduler_.computed(c.seq_id) + c.num_draft + page - 1) / page);
+      EXPECT_LE(scheduler_.blocks_held(c.seq_id),
+                (scheduler_.computed(c.seq_id) + std::max<int64_t>(c.num_draft, max_draft_) + page - 1) /
+                    page);
+      if (c.num_draft > 0) ++drafting_entries_;
     }
     EXPECT_LE(total, options_.step_token_budget);  // I3
     EXPECT_LE(scheduler_.num_running(), options_.max_running);
@@ -193,6 +214,8 @@ class Harness {
   double fault_rate_ = 0;
   std::mt19937 fault_rng_;
   uint64_t disk_faults_ = 0;
+  int64_t max_draft_ = 0;
+  uint64_t drafting_entries_ = 0;
 };
 
 const ScheduledChunk* Find(const ScheduleOutput& out, int64_t id) {
@@ -435,9 +458,14 @@ TEST(SchedulerTest, ResetForgetsEverything) {
 struct WorkloadCounts {
   uint64_t preemptions = 0, cancellations = 0, reformations = 0, hit_tokens = 0;
   uint64_t disk_hits = 0, disk_misses = 0, disk_faults = 0;
+  uint64_t drafting_entries = 0, accepted_drafts = 0;
 };
 
-WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false) {
+// With `drafting`, every sequence that awaits a decode proposes a random
+// draft (a random number of correct tokens, then wrong ones) and the
+// "verification" accepts the correct prefix, as the ranks would.
+WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false,
+                                  bool drafting = false) {
   const uint32_t seed = static_cast<uint32_t>(::testing::UnitTest::GetInstance()->random_seed());
   WorkloadCounts counts;
   for (int round = 0; round < rounds; ++round) {
@@ -451,8 +479,11 @@ WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false) {
     options.step_token_budget = uniform(1, 24);
     options.enable_prefix_caching = caching;
     if (disk) options.disk_blocks = uniform(1, 24);
+    const int max_draft = drafting ? uniform(1, 6) : 0;
+    options.draft_token_budget = drafting ? uniform(1, 12) : 0;
     const int64_t capacity = options.page_size_tokens * options.num_blocks;
     Harness h(options);
+    h.set_max_draft(max_draft);
     h.SetDiskFaults(0.15, seed + round);
 
     struct Want {
@@ -512,6 +543,28 @@ WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false) {
         h.FailAndReform();
         ++counts.reformations;
       }
+      // The serial continuation of a sequence's tokens.
+      auto continuation = [&](std::span<const int32_t> all, int64_t n) {
+        std::vector<int32_t> next;
+        int32_t last = all.back();
+        for (int64_t i = 0; i < n; ++i) {
+          last = next_token(last, static_cast<int64_t>(all.size()) + i);
+          next.push_back(last);
+        }
+        return next;
+      };
+      for (const auto& [id, w] : want) {
+        if (!drafting || w.done || w.cancelled || !h.scheduler().is_running(id)) continue;
+        const std::span<const int32_t> all = h.scheduler().tokens(id);
+        if (static_cast<int64_t>(all.size()) - h.scheduler().computed(id) != 1) continue;
+        // Never past max_new: the run of k drafts is at most k + 1 tokens.
+        const int64_t room = w.max_new - static_cast<int64_t>(w.output.size()) - 1;
+        const int len = uniform(0, static_cast<int>(std::min<int64_t>(max_draft, room)));
+        const int right = uniform(0, len);
+        std::vector<int32_t> draft = continuation(all, len);
+        for (int i = right; i < len; ++i) draft[i] = (draft[i] + 1 + uniform(0, 5)) % 1000;
+        h.scheduler().ProposeDraft(id, std::move(draft));
+      }
       ScheduleOutput out = h.Step();
       if (::testing::Test::HasFatalFailure() || ::testing::Test::HasNonfatalFailure()) {
         ADD_FAILURE() << "stopping this workload after the first failed step";
@@ -528,13 +581,23 @@ WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false) {
         if (!c.needs_logits) continue;
         Want& w = want.at(c.seq_id);
         std::span<const int32_t> all = h.scheduler().tokens(c.seq_id);
-        const int32_t token = next_token(all.back(), static_cast<int64_t>(all.size()));
-        w.output.push_back(token);
+        // Verification: the drafts equal to the serial tokens are accepted,
+        // then one more token is sampled; the rest is rolled back.
+        const std::vector<int32_t> serial = continuation(all, c.num_draft + 1);
+        int64_t accepted = 0;
+        while (accepted < c.num_draft && c.tokens[1 + accepted] == serial[accepted]) ++accepted;
+        h.Rollback(c.seq_id, c.num_draft - accepted);
+        counts.drafting_entries += c.num_draft > 0;
+        counts.accepted_drafts += accepted;
+        const std::span<const int32_t> run = std::span(serial).first(accepted + 1);
+        for (int32_t token : run) {
+          if (static_cast<int64_t>(w.output.size()) < w.max_new) w.output.push_back(token);
+        }
         if (static_cast<int64_t>(w.output.size()) == w.max_new) {
           h.scheduler().Finish(c.seq_id);
           w.done = true;
         } else {
-          h.scheduler().AppendToken(c.seq_id, token);
+          h.scheduler().AppendRun(c.seq_id, run);
         }
       }
       ++steps;
@@ -577,6 +640,90 @@ TEST(SchedulerTest, RandomWorkloadsFinishWithTheirOwnTokens) {
   EXPECT_GT(counts.preemptions, 0u);
   EXPECT_GT(counts.cancellations, 0u);
   EXPECT_EQ(counts.hit_tokens, 0u);
+}
+
+TEST(SchedulerTest, RandomWorkloadsWithDraftsFinishWithTheirOwnTokens) {
+  const WorkloadCounts counts =
+      RunRandomWorkloads(/*caching=*/false, 60, /*disk=*/false, /*drafting=*/true);
+  EXPECT_GT(counts.drafting_entries, 0u);
+  EXPECT_GT(counts.accepted_drafts, 0u);
+  EXPECT_GT(counts.preemptions, 0u);
+}
+
+TEST(SchedulerTest, RandomDraftingWorkloadsThroughThePrefixCacheReadOnlyTheirOwnPrefix) {
+  // Rejected draft positions are rolled back on the "rank" and rewritten
+  // later; the harness's content check reads every earlier position.
+  const WorkloadCounts counts =
+      RunRandomWorkloads(/*caching=*/true, 60, /*disk=*/true, /*drafting=*/true);
+  EXPECT_GT(counts.drafting_entries, 0u);
+  EXPECT_GT(counts.accepted_drafts, 0u);
+  EXPECT_GT(counts.hit_tokens, 0u);
+  EXPECT_GT(counts.reformations, 0u);
+}
+
+TEST(SchedulerTest, DraftsComeAfterDecodesWithinTheirBudgetAndFreeBlocksOnly) {
+  SchedulerOptions options;
+  options.page_size_tokens = 4;
+  options.num_blocks = 64;
+  options.step_token_budget = 12;
+  options.draft_token_budget = 5;
+  Harness h(options);
+  h.set_max_draft(4);
+  for (int64_t id = 1; id <= 3; ++id) ASSERT_TRUE(h.scheduler().Add(id, Tokens(3, 10 * id)).ok());
+  ScheduleOutput s1 = h.Step();
+  ASSERT_EQ(s1.batch.size(), 3u);
+  for (int64_t id = 1; id <= 3; ++id) h.scheduler().AppendToken(id, 100 + id);
+  // Proposals: 4 for sequence 1, 4 for sequence 2, none for 3; a prompt waits.
+  h.scheduler().ProposeDraft(1, {7, 8, 9, 10});
+  h.scheduler().ProposeDraft(2, {17, 18, 19, 20});
+  ASSERT_TRUE(h.scheduler().Add(4, Tokens(20, 500)).ok());
+  ScheduleOutput s2 = h.Step();
+  ASSERT_GE(s2.batch.size(), 3u);
+  // Decodes first, each one token; then drafts in batch order within 5.
+  EXPECT_EQ(s2.batch[0].seq_id, 1);
+  EXPECT_EQ(s2.batch[0].num_draft, 4);
+  EXPECT_EQ(std::vector<int32_t>(s2.batch[0].tokens.begin(), s2.batch[0].tokens.end()),
+            (std::vector<int32_t>{101, 7, 8, 9, 10}));
+  EXPECT_EQ(s2.batch[1].num_draft, 1);  // what the draft budget left
+  EXPECT_EQ(s2.batch[1].tokens.size(), 2u);
+  EXPECT_EQ(s2.batch[2].num_draft, 0);
+  // The new prompt gets what remains of the step budget: 12 - 3 - 5.
+  ASSERT_EQ(s2.batch.size(), 4u);
+  EXPECT_EQ(s2.batch[3].seq_id, 4);
+  EXPECT_EQ(s2.batch[3].tokens.size(), 4u);
+  // Sequence 1 accepted 2 of 4 (+ one sampled); 2 rejected its draft.
+  h.Rollback(1, 2);
+  h.Rollback(2, 1);
+  const int32_t run1[] = {7, 8, 55};
+  h.scheduler().AppendRun(1, run1);
+  h.scheduler().AppendToken(2, 66);
+  h.scheduler().AppendToken(3, 77);
+  EXPECT_EQ(h.scheduler().computed(1), 3 + 1 + 2);
+  EXPECT_EQ(h.scheduler().tokens(1).back(), 55);
+  EXPECT_EQ(h.scheduler().computed(2), 4);
+  // A proposal is used once: the next step decodes plainly.
+  ScheduleOutput s3 = h.Step();
+  for (const ScheduledChunk& c : s3.batch) EXPECT_EQ(c.num_draft, 0);
+}
+
+TEST(SchedulerTest, DraftsNeverPreemptOrTakeBlocksThatAreNotFree) {
+  SchedulerOptions options;
+  options.page_size_tokens = 2;
+  options.num_blocks = 3;  // 6 positions
+  options.step_token_budget = 16;
+  options.draft_token_budget = 16;
+  Harness h(options);
+  h.set_max_draft(8);
+  ASSERT_TRUE(h.scheduler().Add(1, Tokens(3)).ok());
+  h.Step();
+  h.scheduler().AppendToken(1, 9);
+  // 4 positions used after this decode; 2 more fit (the last block).
+  h.scheduler().ProposeDraft(1, {1, 2, 3, 4, 5, 6, 7, 8});
+  ScheduleOutput s = h.Step();
+  ASSERT_EQ(s.batch.size(), 1u);
+  EXPECT_EQ(s.batch[0].num_draft, 2);
+  EXPECT_TRUE(s.preempted.empty());
+  EXPECT_EQ(h.scheduler().free_blocks(), 0);
 }
 
 TEST(SchedulerTest, RandomSharedPrefixWorkloadsReadOnlyTheirOwnPrefix) {
