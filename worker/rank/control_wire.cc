@@ -334,4 +334,24 @@ absl::Status DecodeSampledTokens(WireReader* in, std::vector<SampledToken>* out)
   return absl::OkStatus();
 }
 
+void EncodeSampledRuns(std::span<const std::vector<SampledToken>> runs, WireWriter* w) {
+  w->U32(static_cast<uint32_t>(runs.size()));
+  for (const std::vector<SampledToken>& run : runs) EncodeSampledTokens(run, w);
+}
+
+absl::Status DecodeSampledRuns(WireReader* in, std::vector<std::vector<SampledToken>>* out) {
+  const uint32_t n = in->U32();
+  // Every run takes at least its 4-byte count.
+  if (!in->ok() || n > in->rest().size() / 4) {
+    return absl::InvalidArgumentError("verified runs: malformed count");
+  }
+  out->assign(n, {});
+  for (std::vector<SampledToken>& run : *out) {
+    if (absl::Status s = DecodeSampledTokens(in, &run); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("verified runs: ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace exl3serve::worker::rank

@@ -26,7 +26,9 @@ namespace exl3serve::worker::rank {
 
 // 2: forwards carry the pages the driver assigned; the hello reports the KV layout.
 // 3: sequences that sample on the ranks (kAddSampledSequence, kForwardSampled).
-inline constexpr uint32_t kControlWireVersion = 4;  // 4: prefix cache (cached prefix, KV disk tier)
+// 4: prefix cache (cached prefix, KV disk tier).
+// 5: speculative verification (kForwardVerified).
+inline constexpr uint32_t kControlWireVersion = 5;
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
@@ -41,6 +43,8 @@ enum class ControlOp : uint8_t {
                             // rank 0 replies EncodeSampledTokens of the n entries
   kSaveKvBlocks = 7,        // EncodeKvBlockTransfers; pages -> disk-tier slots
   kLoadKvBlocks = 8,        // EncodeKvBlockTransfers; rank 0 replies u8[] loaded flags
+  kForwardVerified = 9,     // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample,
+                            // i32 draft count}; rank 0 replies EncodeSampledRuns of the n entries
 };
 
 
@@ -99,6 +103,11 @@ void EncodeSequenceSampling(const SequenceSampling& sampling, WireWriter* w);
 absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out);
 void EncodeSampledTokens(std::span<const SampledToken> tokens, WireWriter* w);
 absl::Status DecodeSampledTokens(WireReader* in, std::vector<SampledToken>* out);
+// The runs of a verified forward (StepExecutor::ForwardVerified): u32 n, then
+// n x EncodeSampledTokens. Decoding fails (InvalidArgument) as
+// DecodeSampledTokens, or for a count the remaining bytes cannot hold.
+void EncodeSampledRuns(std::span<const std::vector<SampledToken>> runs, WireWriter* w);
+absl::Status DecodeSampledRuns(WireReader* in, std::vector<std::vector<SampledToken>>* out);
 
 // Writes one frame, all of it, by `deadline`. Errors: Unavailable when the
 // peer has gone (EPIPE/ECONNRESET; SIGPIPE is not raised), DeadlineExceeded.

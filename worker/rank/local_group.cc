@@ -22,6 +22,7 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "worker/api/verified_forward.h"
 #include "worker/model/linear.h"
 #include "worker/rank/control_wire.h"
 #include "worker/rank/rank_executor.h"
@@ -382,16 +383,7 @@ absl::Status LocalGroup::ForwardSampled(std::span<const SequenceTokens> batch,
   w.U8(static_cast<uint8_t>(ControlOp::kForwardSampled));
   w.U32(static_cast<uint32_t>(batch.size()));
   for (size_t i = 0; i < batch.size(); ++i) {
-    const SequenceTokens& entry = batch[i];
-    w.I64(entry.seq_id);
-    w.I32s(entry.tokens.data(), entry.tokens.size());
-    auto staged = staged_pages_.find(entry.seq_id);
-    if (staged == staged_pages_.end()) {
-      w.I32s(nullptr, 0);
-    } else {
-      w.I32s(staged->second.data(), staged->second.size());
-      staged_pages_.erase(staged);
-    }
+    WriteEntry(batch[i], &w);
     w.U8(sample[i]);
   }
   std::string body;
@@ -404,6 +396,43 @@ absl::Status LocalGroup::ForwardSampled(std::span<const SequenceTokens> batch,
   }
   if (!s.ok()) return Break(absl::DataLossError(s.message()));
   return absl::OkStatus();
+}
+
+absl::Status LocalGroup::ForwardVerified(std::span<const SequenceTokens> batch,
+                                         std::span<const uint8_t> sample,
+                                         std::span<const int32_t> draft_counts,
+                                         std::vector<std::vector<SampledToken>>* runs) {
+  EXL3_RETURN_IF_ERROR(CheckDraftCounts(batch, sample, draft_counts));
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kForwardVerified));
+  w.U32(static_cast<uint32_t>(batch.size()));
+  for (size_t i = 0; i < batch.size(); ++i) {
+    WriteEntry(batch[i], &w);
+    w.U8(sample[i]);
+    w.I32(draft_counts[i]);
+  }
+  std::string body;
+  EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
+  WireReader in(body);
+  std::vector<std::vector<SampledToken>> received;
+  absl::Status s = DecodeSampledRuns(&in, &received);
+  if (s.ok()) s = in.Finish("rank 0 verified runs");
+  if (s.ok()) s = CheckVerifiedRuns(batch, sample, draft_counts, vocab_size_, received);
+  if (!s.ok()) return Break(absl::DataLossError(s.message()));
+  *runs = std::move(received);
+  return absl::OkStatus();
+}
+
+void LocalGroup::WriteEntry(const SequenceTokens& entry, WireWriter* w) {
+  w->I64(entry.seq_id);
+  w->I32s(entry.tokens.data(), entry.tokens.size());
+  auto staged = staged_pages_.find(entry.seq_id);
+  if (staged == staged_pages_.end()) {
+    w->I32s(nullptr, 0);
+  } else {
+    w->I32s(staged->second.data(), staged->second.size());
+    staged_pages_.erase(staged);
+  }
 }
 
 absl::Status LocalGroup::SaveKvBlocks(std::span<const KvBlockTransfer> saves) {
@@ -455,17 +484,7 @@ absl::Status LocalGroup::Forward(std::span<const SequenceTokens> batch, LogitsRo
   w.U8(static_cast<uint8_t>(ControlOp::kForward));
   w.U8(rows == LogitsRows::kLastToken ? 0 : 1);
   w.U32(static_cast<uint32_t>(batch.size()));
-  for (const SequenceTokens& entry : batch) {
-    w.I64(entry.seq_id);
-    w.I32s(entry.tokens.data(), entry.tokens.size());
-    auto staged = staged_pages_.find(entry.seq_id);
-    if (staged == staged_pages_.end()) {
-      w.I32s(nullptr, 0);
-    } else {
-      w.I32s(staged->second.data(), staged->second.size());
-      staged_pages_.erase(staged);  // sent: the ranks hold them now (or refuse them)
-    }
-  }
+  for (const SequenceTokens& entry : batch) WriteEntry(entry, &w);
   std::string body;
   EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
   WireReader in(body);

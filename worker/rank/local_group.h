@@ -40,6 +40,8 @@
 
 namespace exl3serve::worker::rank {
 
+class WireWriter;  // control_wire.h
+
 struct LocalGroupOptions {
   std::string model_dir;
   int world_size = 2;
@@ -104,6 +106,15 @@ class LocalGroup final : public StepExecutor {
   absl::Status AddSampledSequence(int64_t seq_id, const SequenceSampling& sampling) override;
   absl::Status ForwardSampled(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
                               std::vector<SampledToken>* tokens) override;
+  // StepExecutor::ForwardVerified over the control wire (kForwardVerified):
+  // every rank runs worker::RunVerifiedForward (collective under TP, as
+  // Sample), rank 0 replies the runs. The arguments are checked here first
+  // (CheckDraftCounts: InvalidArgument, nothing sent, staged pages kept);
+  // runs no verification can produce (CheckVerifiedRuns) break the group
+  // with DataLoss, as a malformed sampled reply does.
+  absl::Status ForwardVerified(std::span<const SequenceTokens> batch, std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<SampledToken>>* runs) override;
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const SequenceTokens> batch, LogitsRows rows,
                        std::vector<float>* logits) override;
@@ -153,6 +164,9 @@ class LocalGroup final : public StepExecutor {
   // "rank R (pid P) exited with status S" / "... has not answered": for messages.
   std::string DescribeRank(int rank);
   absl::Status Break(absl::Status status);
+  // Writes entry's i64 seq, i32[] tokens and i32[] staged pages (which count
+  // as sent from here on: the ranks hold them now, or refuse them).
+  void WriteEntry(const SequenceTokens& entry, WireWriter* w);
   // Refreshes the snapshot rank_status() reads from ranks_ / broken_ / shut_down_.
   void Publish();
 

@@ -8,6 +8,7 @@
 #include "common/status_macros.h"
 #include "sharding/exl3_model.h"
 #include "sharding/shard_plan.h"
+#include "worker/api/verified_forward.h"
 #include "worker/model/linear.h"
 
 namespace exl3serve::worker::rank {
@@ -78,7 +79,8 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup) {
 
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                 std::vector<float>* logits, std::vector<SampledToken>* tokens,
-                                std::vector<uint8_t>* loaded) {
+                                std::vector<uint8_t>* loaded,
+                                std::vector<std::vector<SampledToken>>* runs) {
   switch (command.op) {
     case RankCommand::Op::kSaveKvBlocks:
       SaveKvBlocksToDisk(*rank.cache, rank.disk_tier.get(), command.transfers);
@@ -131,19 +133,28 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
         return absl::InvalidArgumentError(
             "forward: sequence ids and assigned page lists differ in count");
       }
+      std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
+      for (size_t i = 0; i < batch.size(); ++i) {
+        batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
+      }
+      if (!command.batch_draft.empty()) {
+        // Before the pages: a refused verification changes nothing.
+        EXL3_RETURN_IF_ERROR(CheckDraftCounts(batch, command.batch_sample, command.batch_draft));
+      }
       for (size_t i = 0; i < command.batch_new_pages.size(); ++i) {
         if (command.batch_new_pages[i].empty()) continue;
         EXL3_RETURN_IF_ERROR(
             rank.cache->AssignPages(command.batch_seq_ids[i], command.batch_new_pages[i]));
       }
-      std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
-      for (size_t i = 0; i < batch.size(); ++i) {
-        batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
-      }
       std::vector<float> scratch;
       const absl::Time start = absl::Now();
       absl::Status status;
-      if (!command.batch_sample.empty()) {
+      if (!command.batch_draft.empty()) {
+        std::vector<std::vector<SampledToken>> drawn;
+        status = RunVerifiedForward(*rank.model, &*rank.cache, &*rank.sampler, batch,
+                                    command.batch_sample, command.batch_draft, &scratch,
+                                    runs ? runs : &drawn);
+      } else if (!command.batch_sample.empty()) {
         std::vector<SampledToken> drawn;
         status = RunSampledForward(*rank.model, &*rank.cache, &*rank.sampler, batch,
                                    command.batch_sample, &scratch, tokens ? tokens : &drawn);
@@ -152,9 +163,12 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
       }
       if (rank.observer != nullptr) {
         int64_t tokens = 0, single = 0;
-        for (const auto& t : command.batch_tokens) {
-          tokens += static_cast<int64_t>(t.size());
-          single += t.size() == 1 ? 1 : 0;
+        for (size_t i = 0; i < command.batch_tokens.size(); ++i) {
+          // A verifying entry (the last token and its drafts) is a decode.
+          const size_t fed = command.batch_tokens[i].size();
+          const size_t drafts = command.batch_draft.empty() ? 0 : command.batch_draft[i];
+          tokens += static_cast<int64_t>(fed);
+          single += fed - drafts == 1 ? 1 : 0;
         }
         const int64_t n = static_cast<int64_t>(command.batch_tokens.size());
         const ForwardPhase phase = single == n   ? ForwardPhase::kDecode

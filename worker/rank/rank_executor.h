@@ -131,6 +131,10 @@ struct RankCommand {
   // kForward: non-empty = a sampled forward (RunSampledForward): one flag per
   // entry, the entries with a flag draw a token; no logits are returned.
   std::vector<uint8_t> batch_sample;
+  // kForward: non-empty = a verified forward (RunVerifiedForward, speculative
+  // decoding; needs batch_sample): per entry, how many of its last tokens are
+  // draft tokens. Runs of drawn tokens are returned, not tokens or logits.
+  std::vector<int32_t> batch_draft;
   // kSaveKvBlocks / kLoadKvBlocks: pages <-> disk-tier slots.
   std::vector<KvBlockTransfer> transfers;
 };
@@ -147,13 +151,19 @@ struct RankCommand {
 // A sampled forward (batch_sample non-empty) fills *tokens instead (every
 // rank draws the same tokens); `tokens` may be null on ranks that do not
 // report them.
+// A verified forward (batch_draft non-empty) fills *runs instead
+// (RunVerifiedForward: every rank draws and accepts alike, and drops the KV
+// of the rejected drafts); `runs` may be null on ranks that do not report
+// them. Its draft counts are checked (worker::CheckDraftCounts:
+// InvalidArgument) before any page is assigned.
 // kLoadKvBlocks sets *loaded (may be null on ranks that do not report):
 // entry i is 1 iff every rank verified it (an all-reduce of the misses over
 // the group, so every rank agrees).
 absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
                                 std::vector<float>* logits,
                                 std::vector<SampledToken>* tokens = nullptr,
-                                std::vector<uint8_t>* loaded = nullptr);
+                                std::vector<uint8_t>* loaded = nullptr,
+                                std::vector<std::vector<SampledToken>>* runs = nullptr);
 
 }  // namespace exl3serve::worker::rank
 

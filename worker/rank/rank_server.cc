@@ -89,6 +89,32 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       if (rank.rank == 0) EncodeSampledTokens(tokens, reply);
       return absl::OkStatus();
     }
+    case ControlOp::kForwardVerified: {
+      const uint32_t n = in.U32();
+      // An entry takes at least 21 bytes (i64, two empty lists, u8, i32).
+      if (!in.ok() || n > in.rest().size() / 21) {
+        return absl::InvalidArgumentError("verified forward: malformed batch header");
+      }
+      command.op = RankCommand::Op::kForward;
+      command.batch_seq_ids.resize(n);
+      command.batch_tokens.resize(n);
+      command.batch_new_pages.resize(n);
+      command.batch_sample.resize(n);
+      command.batch_draft.resize(n);
+      for (uint32_t i = 0; i < n && in.ok(); ++i) {
+        command.batch_seq_ids[i] = in.I64();
+        command.batch_tokens[i] = in.I32s();
+        command.batch_new_pages[i] = in.I32s();
+        command.batch_sample[i] = in.U8();
+        command.batch_draft[i] = in.I32();
+      }
+      EXL3_RETURN_IF_ERROR(in.Finish("verified forward"));
+      if (n == 0) return absl::InvalidArgumentError("verified forward: no batch entries");
+      std::vector<std::vector<SampledToken>> runs;
+      EXL3_RETURN_IF_ERROR(ExecuteRankCommand(rank, command, nullptr, nullptr, nullptr, &runs));
+      if (rank.rank == 0) EncodeSampledRuns(runs, reply);
+      return absl::OkStatus();
+    }
     case ControlOp::kSaveKvBlocks:
     case ControlOp::kLoadKvBlocks: {
       const bool save = op == ControlOp::kSaveKvBlocks;
