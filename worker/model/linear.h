@@ -7,6 +7,8 @@
 //   EXL3_ASSIGN_OR_RETURN(Linear q, Linear::Load(model, "model.layers.0.self_attn.q_proj",
 //                                                hidden, q_out));
 //   q.Forward(x, m, y);   // y[m x out] = x[m x in] · Wᵀ + bias
+//   const RowRun plan[] = {{8, RowKind::kDecode}, {64, RowKind::kPrefill}};
+//   q.Forward(x, 72, y, plan);  // rows 0-7 at decode precision, 8-71 at prefill
 //
 // Widths are the model's own (unpadded): an EXL3 linear stores k, n padded to
 // multiples of 128, so Forward zero-extends inputs to k and drops the padded
@@ -175,10 +177,10 @@ class Linear {
   // 3inst/mcg; prefill: PrefillPrecision()). Consecutive runs that resolve
   // to the same precision go to kernels::TrellisGemm as one call, so with
   // equal decode and prefill precisions this is one call, bit for bit the
-  // m-based Forward; otherwise one call per run, each row equal to the row
-  // of a Forward of that run alone under the same plan (int8 has no row
-  // crossover, so int8 rows are equal whatever the run's length; fp32/bf16
-  // sums depend on the call's row count, kernels/trellis_gemm.h).
+  // m-based Forward; otherwise each group's rows are bit for bit a kernel
+  // call on just those rows. int8 rows have no row crossover, so they equal
+  // the same rows in a call of any size; fp32/bf16 sums depend on the
+  // call's row count (kernels/trellis_gemm.h).
   // Plain linears ignore the plan (their rows never depend on m).
   // Errors: InvalidArgument when the plan's rows do not sum to m (nothing
   // written); those of Forward. Cost: as Forward plus one weight decode per
