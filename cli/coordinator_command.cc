@@ -69,9 +69,11 @@
 //   engine: {max_running: 64, max_queue: 256, step_token_budget: 512,
 //            default_max_tokens: 256, max_context: 0,
 //            prefix_cache: true,          # reuse cached prompt prefixes' KV blocks
-//            speculative: none,           # none|ngram: draft tokens verified on the
-//            draft_tokens: 4,             # ranks (output identical); per sequence
-//            draft_token_budget: 128}     # per step at most, and per step in all
+//            speculative: none,           # none|ngram|draft: draft tokens verified on
+//            draft_model: "",             # the ranks (output identical); draft: this
+//                                         # model, run in the coordinator's process
+//            draft_tokens: 4,             # per sequence per step at most,
+//            draft_token_budget: 128}     # and per step in all
 //   timeouts: {join_ms: 60000, collective_ms: 60000, load_ms: 300000, step_ms: 60000,
 //              heartbeat_interval_ms: 1000, heartbeat_ms: 5000, reform_ms: 60000}
 #include <signal.h>
@@ -227,8 +229,15 @@ absl::Status RunCoordinator(const CoordinatorRunOptions& options) {
                                          cfg.group.world_size, &cfg.engine));
       if (*metrics_port > 0) std::printf("metrics: coordinator %s\n", metrics->url().c_str());
     }
+    absl::StatusOr<std::unique_ptr<coordinator::DraftModel>> draft =
+        coordinator::LoadDraftModel(cfg.engine, model);
+    if (!draft.ok()) {
+      group->Shutdown("the coordinator could not load its draft model");
+      return draft.status();
+    }
     auto engine = std::make_unique<coordinator::LocalEngine>(cfg.engine, std::move(model),
-                                                             std::move(owned_group));
+                                                             std::move(owned_group),
+                                                             std::move(*draft));
     auto metrics_attached = metrics ? metrics->Attach(*engine) : nullptr;  // goes before engine
     auto server_or = coordinator::GrpcServer::Start(*engine, cfg.server);
     if (!server_or.ok()) {

@@ -221,7 +221,9 @@ absl::StatusOr<CoordinatorConfig> ReadCoordinatorConfigOrThrow(const YAML::Node&
     EXL3_RETURN_IF_ERROR(CheckKeys(en, "engine",
                                    {"max_running", "max_queue", "step_token_budget",
                                     "default_max_tokens", "max_context", "prefix_cache",
-                                    "speculative", "draft_tokens", "draft_token_budget"}));
+                                    "speculative", "draft_tokens", "draft_token_budget",
+                                    "draft_model"}));
+    EXL3_RETURN_IF_ERROR(Read(en, "engine", "draft_model", &e.draft_model_dir));
     EXL3_RETURN_IF_ERROR(Read(en, "engine", "prefix_cache", &e.enable_prefix_caching));
     std::string speculative = coordinator::SpeculativeMethodName(e.speculative);
     EXL3_RETURN_IF_ERROR(Read(en, "engine", "speculative", &speculative));

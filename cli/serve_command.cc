@@ -144,9 +144,13 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
                "compute every prompt token (default: reuse the KV blocks of cached prompt "
                "prefixes)");
   app.add_option("--speculative", args->speculative,
-                 "speculative decoding: none, or ngram (draft tokens by prompt lookup over each "
-                 "sequence's own tokens, verified on the ranks; the output is identical)")
+                 "speculative decoding: none; ngram (draft tokens by prompt lookup over each "
+                 "sequence's own tokens); or draft (a smaller model with the same tokenizer, "
+                 "--draft-model). Drafts are verified on the ranks: the output is identical")
       ->capture_default_str();
+  app.add_option("--draft-model", args->engine.draft_model_dir,
+                 "speculative decoding by a draft model: its directory (EXL3 or Hugging Face; "
+                 "the same vocabulary), run in this process");
   app.add_option("--draft-tokens", args->engine.draft_tokens,
                  "speculative decoding: draft tokens per sequence per step at most (1..15; "
                  "each sequence's window adapts to its acceptance)")

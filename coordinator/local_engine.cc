@@ -98,20 +98,23 @@ std::vector<v1::RankInfo> LocalRankInfos(const std::vector<worker::rank::LocalRa
 absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
   if (name == "none") return SpeculativeMethod::kNone;
   if (name == "ngram") return SpeculativeMethod::kNgram;
+  if (name == "draft") return SpeculativeMethod::kDraftModel;
   return absl::InvalidArgumentError(
-      absl::StrCat("speculative method '", std::string(name), "': expected none or ngram"));
+      absl::StrCat("speculative method '", std::string(name), "': expected none, ngram or draft"));
 }
 
 const char* SpeculativeMethodName(SpeculativeMethod method) {
   switch (method) {
     case SpeculativeMethod::kNone: return "none";
     case SpeculativeMethod::kNgram: return "ngram";
+    case SpeculativeMethod::kDraftModel: return "draft";
   }
   return "none";
 }
 
 LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
-                         std::unique_ptr<worker::StepExecutor> executor)
+                         std::unique_ptr<worker::StepExecutor> executor,
+                         std::unique_ptr<DraftModel> draft_model)
     : options_(options),
       facts_(std::move(model.facts)),
       tokenizer_(std::move(model.tokenizer)),
@@ -139,7 +142,12 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                       options.speculative == SpeculativeMethod::kNone
                                           ? 0
                                           : options.draft_token_budget}),
-      drafting_(options.speculative != SpeculativeMethod::kNone) {
+      drafting_(options.speculative == SpeculativeMethod::kNgram ||
+                (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr)),
+      draft_model_(std::move(draft_model)) {
+  if (options.speculative == SpeculativeMethod::kDraftModel && draft_model_ == nullptr) {
+    EXL3_LOG(kError) << "--speculative draft without a draft model: decoding without drafts";
+  }
   {
     absl::MutexLock lock(&mu_);
     stat_free_blocks_ = options_.kv.num_pages;
@@ -600,8 +608,10 @@ void LocalEngine::Loop() {
         }
         if (!live.p.stop_strings.empty()) live.stops.emplace(live.p.stop_strings);
         if (drafting_) {
-          live.drafter.emplace(options_.ngram);
-          live.drafter->Append(live.p.prompt);
+          if (options_.speculative == SpeculativeMethod::kNgram) {
+            live.drafter.emplace(options_.ngram);
+            live.drafter->Append(live.p.prompt);
+          }
           live.draft_length.emplace(options_.draft_tokens);
         }
       }
@@ -657,6 +667,7 @@ void LocalEngine::Step() {
     }
   }
   for (int64_t seq_id : out.release) {
+    if (draft_model_ != nullptr) draft_model_->Forget(seq_id);
     absl::Status s = executor_->RemoveSequence(seq_id);
     if (!s.ok() && !absl::IsNotFound(s)) return OnExecutorFailure(s);
   }
@@ -806,20 +817,43 @@ void LocalEngine::Step() {
 
 void LocalEngine::ProposeDrafts() {
   if (!drafting_) return;
-  for (auto& [seq_id, live] : live_) {
-    if (!live.drafter || !scheduler_.Contains(seq_id) || !scheduler_.is_running(seq_id)) continue;
-    // Only a sequence awaiting a single token's forward drafts.
-    if (static_cast<int64_t>(scheduler_.tokens(seq_id).size()) - scheduler_.computed(seq_id) != 1) {
-      continue;
+  // Oldest first (seq ids grow with arrival), within the step's draft budget.
+  std::vector<int64_t> ids;
+  for (const auto& [seq_id, live] : live_) {
+    if (live.draft_length && scheduler_.Contains(seq_id) && scheduler_.is_running(seq_id)) {
+      ids.push_back(seq_id);
     }
+  }
+  std::sort(ids.begin(), ids.end());
+  int64_t budget = options_.draft_token_budget;
+  std::vector<DraftRequest> requests;
+  for (int64_t seq_id : ids) {
+    Live& live = live_.at(seq_id);
+    // Only a sequence awaiting a single token's forward drafts.
+    const std::span<const int32_t> tokens = scheduler_.tokens(seq_id);
+    if (static_cast<int64_t>(tokens.size()) - scheduler_.computed(seq_id) != 1) continue;
     // A run of k drafts yields up to k + 1 tokens: never past max_tokens.
-    const int64_t room =
-        live.p.max_tokens - static_cast<int64_t>(live.output.size()) - 1;
+    const int64_t room = live.p.max_tokens - static_cast<int64_t>(live.output.size()) - 1;
     const int window = live.draft_length->Next();
-    const int k = static_cast<int>(std::min<int64_t>(window, room));
+    const int k = static_cast<int>(std::min<int64_t>({window, room, budget}));
     if (k <= 0) continue;
-    std::vector<int32_t> draft = live.drafter->Propose(k);
-    if (!draft.empty()) scheduler_.ProposeDraft(seq_id, std::move(draft));
+    if (live.drafter) {
+      std::vector<int32_t> draft = live.drafter->Propose(k);
+      budget -= static_cast<int64_t>(draft.size());
+      if (!draft.empty()) scheduler_.ProposeDraft(seq_id, std::move(draft));
+    } else {
+      requests.push_back({.seq_id = seq_id, .tokens = tokens, .k = k});
+      budget -= k;
+    }
+  }
+  if (requests.empty() || draft_model_ == nullptr) return;
+  std::vector<std::vector<int32_t>> drafts;
+  if (absl::Status s = draft_model_->Propose(requests, &drafts); !s.ok()) {
+    EXL3_LOG(kWarning) << "draft model: " << s << "; this step decodes without drafts";
+    return;
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    scheduler_.ProposeDraft(requests[i].seq_id, std::move(drafts[i]));
   }
 }
 
@@ -994,6 +1028,7 @@ void LocalEngine::OnExecutorFailure(const absl::Status& status) {
                      << absl::FormatDuration(options_.reform_timeout) << ": " << recovered;
   }
   const std::vector<int64_t> ids = scheduler_.Reset();
+  if (draft_model_ != nullptr) draft_model_->ForgetAll();
   if (!broken) {
     for (int64_t seq_id : ids) executor_->RemoveSequence(seq_id).IgnoreError();
   }
@@ -1074,6 +1109,9 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
     if (options.ngram.min_match < 1 || options.ngram.max_match < options.ngram.min_match) {
       return Invalid("ngram", "needs 1 <= min_match <= max_match");
     }
+    if (options.speculative == SpeculativeMethod::kDraftModel && options.draft_model_dir.empty()) {
+      return Invalid("draft_model_dir", "is required with speculative decoding by a draft model");
+    }
   }
   const int64_t pool = options.kv.num_pages * options.kv.page_size_tokens;
   if (options.max_context > pool) {
@@ -1123,8 +1161,38 @@ absl::StatusOr<std::unique_ptr<Engine>> CreateLocalEngine(const EngineOptions& g
     options.rank_info = [state = built.rank_state] { return LocalRankInfos(state()); };
   }
   std::unique_ptr<worker::StepExecutor> executor = std::move(built.executor);
+  EXL3_ASSIGN_OR_RETURN(std::unique_ptr<DraftModel> draft, LoadDraftModel(options, model));
   return std::unique_ptr<Engine>(
-      new LocalEngine(options, std::move(model), std::move(executor)));
+      new LocalEngine(options, std::move(model), std::move(executor), std::move(draft)));
+}
+
+absl::StatusOr<std::unique_ptr<DraftModel>> LoadDraftModel(const EngineOptions& options,
+                                                          const EngineModel& target) {
+  if (options.speculative != SpeculativeMethod::kDraftModel) return nullptr;
+  if (options.draft_model_dir.empty()) {
+    return Invalid("draft_model_dir", "is required with speculative decoding by a draft model");
+  }
+  worker::rank::LocalExecutorOptions local;
+  local.model_dir = options.draft_model_dir;
+  local.ranks = 1;
+  local.threads_per_rank = options.threads_per_rank;
+  local.kv = options.kv;
+  local.kv.caller_assigns_pages = false;
+  local.executor_assigns_pages = true;
+  local.prefill_precision = options.prefill_precision;
+  local.decode_precision = options.decode_precision;
+  EXL3_ASSIGN_OR_RETURN(worker::rank::LocalExecutor built, worker::rank::CreateLocalExecutor(local));
+  const int64_t target_vocab = target.facts.arch.vocab_size;
+  if (built.executor->vocab_size() != target_vocab) {
+    return Invalid("draft_model_dir",
+                   absl::StrCat(options.draft_model_dir, " has a vocabulary of ",
+                                built.executor->vocab_size(), " tokens, the model ",
+                                options.model_dir, " one of ", target_vocab,
+                                ": a draft model needs the same tokenizer"));
+  }
+  EXL3_LOG(kInfo) << "draft model " << options.draft_model_dir << " loaded in this process ("
+                  << options.kv.num_pages << " KV pages of its own)";
+  return std::make_unique<DraftModel>(std::move(built.executor));
 }
 
 }  // namespace exl3serve::coordinator

@@ -62,6 +62,7 @@
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
 #include "coordinator/draft_length.h"
+#include "coordinator/draft_model.h"
 #include "coordinator/engine_observer.h"
 #include "coordinator/ngram_drafter.h"
 #include "coordinator/scheduler.h"
@@ -78,10 +79,11 @@ namespace exl3serve::coordinator {
 // Where speculative decoding's draft tokens come from.
 enum class SpeculativeMethod {
   kNone,
-  kNgram,  // prompt lookup over the sequence's own tokens (ngram_drafter.h)
+  kNgram,       // prompt lookup over the sequence's own tokens (ngram_drafter.h)
+  kDraftModel,  // a smaller model with the same tokenizer (draft_model.h)
 };
-// "none" / "ngram" (the --speculative spellings); InvalidArgument otherwise,
-// naming the accepted values.
+// "none" / "ngram" / "draft" (the --speculative spellings); InvalidArgument
+// otherwise, naming the accepted values.
 absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name);
 const char* SpeculativeMethodName(SpeculativeMethod method);
 
@@ -156,6 +158,10 @@ struct EngineOptions {
   int draft_tokens = 4;               // 1..kMaxDraftTokens
   int64_t draft_token_budget = 128;   // >= 1
   NgramDrafterOptions ngram;          // kNgram's match lengths
+  // kDraftModel: the draft model's directory (EXL3 or Hugging Face, the
+  // target's vocabulary). It runs in the coordinator's process with a KV
+  // pool of kv.num_pages pages of its own (LoadDraftModel).
+  std::string draft_model_dir;
 
   // --- An executor whose ranks live elsewhere (`exl3serve coordinator`) ---
   // When set, ready() and Submit also require executor_ready() (a remote
@@ -202,6 +208,14 @@ struct EngineModel {
 // model_dir has tokenizer.json). No transformer is loaded.
 absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options);
 
+// kDraftModel: loads options.draft_model_dir in this process as a
+// DraftModel (its own KV pool: kv's page size and count), after checking
+// that its vocabulary equals the target's (`target`). Null for other
+// methods. Errors: InvalidArgument (no directory, another vocabulary),
+// those of loading the model.
+absl::StatusOr<std::unique_ptr<DraftModel>> LoadDraftModel(const EngineOptions& options,
+                                                          const EngineModel& target);
+
 class LocalEngine final : public Engine {
  public:
   // Starts the scheduler thread. `executor`'s cache must have options.kv's
@@ -212,8 +226,11 @@ class LocalEngine final : public Engine {
   // allocate pages themselves). An executor whose kv_options() disagree
   // with options.kv on page size or count leaves the engine refusing every
   // request with FailedPrecondition naming both.
+  // `draft_model`: speculative decoding's draft source for kDraftModel
+  // (LoadDraftModel); required then (else the engine does not draft).
   LocalEngine(const EngineOptions& options, EngineModel model,
-              std::unique_ptr<worker::StepExecutor> executor);
+              std::unique_ptr<worker::StepExecutor> executor,
+              std::unique_ptr<DraftModel> draft_model = nullptr);
   ~LocalEngine() override;
 
   absl::Status Submit(const v1::GenerateRequest& request, ResponseCallback on_response) override;
@@ -318,6 +335,7 @@ class LocalEngine final : public Engine {
   std::vector<std::vector<worker::SampledToken>> runs_;  // the same, of a verified step
   // False once the executor answered ForwardVerified with Unimplemented.
   bool drafting_ = false;
+  std::unique_ptr<DraftModel> draft_model_;  // kDraftModel's source
   uint64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_tokens_ = 0;
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).

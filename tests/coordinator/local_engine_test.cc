@@ -1296,5 +1296,79 @@ TEST_F(LocalEngineTest, SpeculativeOptionsAreValidated) {
   EXPECT_EQ(*ParseSpeculativeMethod("ngram"), SpeculativeMethod::kNgram);
 }
 
+// A draft model in this process: the target itself (greedy drafts of the
+// same model: long accepted runs) or another random model (mostly rejected).
+std::unique_ptr<DraftModel> InProcessDraft(const worker::Transformer* draft) {
+  worker::KvCacheOptions kv;
+  kv.dtype = worker::KvCacheDtype::kFp32;
+  kv.num_pages = 256;
+  kv.page_size_tokens = 16;
+  auto cache = draft->CreateKvCache(kv);
+  EXPECT_TRUE(cache.ok());
+  return std::make_unique<DraftModel>(
+      std::make_unique<worker::LocalStepExecutor>(draft, std::move(*cache)));
+}
+
+TEST_F(LocalEngineTest, DraftModelOutputIsTheOutputWithoutDrafts) {
+  const SpecRun reference = RunRepetitive(*Engine(Options(128, 4)), /*alone=*/false);
+  testing::ScratchDir dir;
+  sharding::TestModelOptions other;
+  other.peaked_logits = true;
+  other.seed = 99;  // another random model: its drafts are mostly wrong
+  ASSERT_TRUE(sharding::WriteTestModel(dir.File("other"), other).ok());
+  auto other_model = worker::Transformer::Load(dir.File("other"));
+  ASSERT_TRUE(other_model.ok()) << other_model.status();
+  for (const bool same_model : {true, false}) {
+    SCOPED_TRACE(same_model ? "draft = target" : "draft = another model");
+    EngineOptions options = Speculative(Options(128, 4));
+    options.speculative = SpeculativeMethod::kDraftModel;
+    EngineModel m;
+    m.facts = {.arch = model->transformer->config().arch,
+               .eos_token_ids = model->transformer->config().eos_token_ids};
+    auto executor = std::make_unique<ForwardingExecutor>(options.kv);
+    LocalEngine engine(options, std::move(m), std::move(executor),
+                       InProcessDraft(same_model ? model->transformer.get() : other_model->get()));
+    const SpecRun drafted = RunRepetitive(engine, /*alone=*/false);
+    ASSERT_EQ(drafted.outputs.size(), reference.outputs.size());
+    for (size_t i = 0; i < drafted.outputs.size(); ++i) {
+      EXPECT_EQ(drafted.outputs[i], reference.outputs[i]) << "request " << i;
+      EXPECT_EQ(drafted.reasons[i], reference.reasons[i]) << "request " << i;
+    }
+    EXPECT_EQ(drafted.info.speculative_method(), "draft");
+    EXPECT_GT(drafted.info.spec_decode_num_drafts(), 0u);
+    const double rate = static_cast<double>(drafted.info.spec_decode_num_accepted_tokens()) /
+                        static_cast<double>(drafted.info.spec_decode_num_draft_tokens());
+    if (same_model) {
+      // Greedy requests draft their own tokens; sampled ones less often.
+      EXPECT_GT(rate, 0.5) << drafted.info.DebugString();
+    }
+    EXPECT_EQ(drafted.info.kv_blocks_free(), drafted.info.kv_blocks_total());
+  }
+}
+
+TEST_F(LocalEngineTest, ADraftModelIsRefusedWithoutItsDirectoryOrWithAnotherVocabulary) {
+  EngineOptions options = Speculative(Options(64, 16));
+  options.speculative = SpeculativeMethod::kDraftModel;
+  EXPECT_EQ(CreateLocalEngine(options).status().code(), absl::StatusCode::kInvalidArgument);
+  testing::ScratchDir dir;
+  sharding::TestModelOptions small;
+  small.vocab_size = 500;
+  ASSERT_TRUE(sharding::WriteTestModel(dir.File("small"), small).ok());
+  options.draft_model_dir = dir.File("small");
+  const absl::Status refused = CreateLocalEngine(options).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("same tokenizer"), std::string::npos) << refused;
+  // The target itself as its draft: served.
+  options.draft_model_dir = model->path;
+  auto engine = CreateLocalEngine(options);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  Stream s;
+  ASSERT_TRUE((*engine)->Submit(Request(Prompt(9, 4), 12), s.Callback()).ok());
+  const v1::GenerateResponse r = s.Wait();
+  ASSERT_TRUE(r.has_complete());
+  EXPECT_EQ(Ids(r.complete()), Alone(Prompt(9, 4), 12));
+  EXPECT_EQ((*engine)->GetServerInfo().speculative_method(), "draft");
+}
+
 }  // namespace
 }  // namespace exl3serve::coordinator

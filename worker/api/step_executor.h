@@ -131,6 +131,17 @@ class StepExecutor {
     return absl::UnimplementedError("this executor does not verify draft tokens");
   }
 
+  // Drops the sequence's last dropped.size() positions, whose tokens were
+  // `dropped` (in order): its cache length shrinks (pages stay assigned) and
+  // a sampled sequence's penalty counts and draw position rewind as if those
+  // tokens had never been fed. A draft model's rollback after verification
+  // (coordinator/draft_model.h). NotFound for an unknown sequence;
+  // InvalidArgument when it holds fewer positions; Unimplemented where the
+  // executor cannot.
+  virtual absl::Status TruncateSequence(int64_t seq_id, std::span<const int32_t> dropped) {
+    return absl::UnimplementedError("this executor cannot truncate a sequence");
+  }
+
   // The disk tier (kv_disk_tier.h) of every rank. SaveKvBlocks copies each
   // page's bytes to its slot (written asynchronously; a save the rank cannot
   // take is dropped, and that slot is later a miss) and must run before the

@@ -121,6 +121,22 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
   return absl::OkStatus();
 }
 
+absl::Status LocalStepExecutor::TruncateSequence(int64_t seq_id,
+                                                 std::span<const int32_t> dropped) {
+  if (!cache_->HasSequence(seq_id)) {
+    return absl::NotFoundError(absl::StrCat("truncate: unknown sequence ", seq_id));
+  }
+  const int64_t length = cache_->Length(seq_id);
+  const int64_t n = static_cast<int64_t>(dropped.size());
+  if (n > length) {
+    return absl::InvalidArgumentError(absl::StrCat("truncate: sequence ", seq_id, " holds ",
+                                                   length, " positions, not ", n));
+  }
+  cache_->SetLength(seq_id, length - n);
+  sampler_.Unobserve(seq_id, dropped);
+  return absl::OkStatus();
+}
+
 absl::Status LocalStepExecutor::AddSampledSequence(int64_t seq_id,
                                                    const SequenceSampling& sampling) {
   if (sampler_.HasSequence(seq_id)) {

@@ -97,6 +97,7 @@ class LocalStepExecutor final : public StepExecutor {
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
     return cache_->AssignPages(seq_id, page_ids);
   }
+  absl::Status TruncateSequence(int64_t seq_id, std::span<const int32_t> dropped) override;
   std::optional<KvCacheOptions> kv_options() const override { return cache_->options(); }
   PagedKvCache& cache() { return *cache_; }
   // The prefix cache's disk tier of this process (null = none: Save/Load

@@ -181,6 +181,22 @@ void VocabSampler::Observe(int64_t seq_id, std::span<const int32_t> tokens) {
   }
 }
 
+void VocabSampler::Unobserve(int64_t seq_id, std::span<const int32_t> tokens) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  Sequence& s = it->second;
+  auto drop = [](absl::flat_hash_map<int32_t, int32_t>& counts, int32_t t) {
+    auto c = counts.find(t);
+    if (c == counts.end()) return;
+    if (--c->second <= 0) counts.erase(c);
+  };
+  for (auto t = tokens.rbegin(); t != tokens.rend() && s.length > 0; ++t) {
+    --s.length;
+    drop(s.seen, *t);
+    if (s.length >= s.prompt_len) drop(s.output, *t);
+  }
+}
+
 int64_t VocabSampler::position(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   return it == seqs_.end() ? -1 : it->second.length;

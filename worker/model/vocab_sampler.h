@@ -78,6 +78,9 @@ class VocabSampler {
   bool HasSequence(int64_t seq_id) const { return seqs_.contains(seq_id); }
   // Appends tokens the model consumed for the sequence (no-op when unknown).
   void Observe(int64_t seq_id, std::span<const int32_t> tokens);
+  // Undoes Observe of the sequence's last tokens, which were `tokens` (the
+  // caller's rollback; no-op when unknown). Requires: they were observed last.
+  void Unobserve(int64_t seq_id, std::span<const int32_t> tokens);
 
   // Samples one token per row from `slice_logits` (row-major, rows of
   // slice_end - slice_begin floats; modified in place) and records nothing

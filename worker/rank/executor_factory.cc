@@ -39,6 +39,9 @@ class OwningLocalExecutor final : public StepExecutor {
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override {
     return inner_.AssignPages(seq_id, page_ids);
   }
+  absl::Status TruncateSequence(int64_t seq_id, std::span<const int32_t> dropped) override {
+    return inner_.TruncateSequence(seq_id, dropped);
+  }
   std::optional<KvCacheOptions> kv_options() const override { return inner_.kv_options(); }
   absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) override {
     return inner_.SaveKvBlocks(saves);
@@ -72,7 +75,7 @@ absl::StatusOr<LocalExecutor> CreateLocalExecutor(const LocalExecutorOptions& op
                           Transformer::Load(options.model_dir, load_options));
     out.facts = {.arch = model->config().arch, .eos_token_ids = model->config().eos_token_ids};
     KvCacheOptions kv = options.kv;
-    kv.caller_assigns_pages = true;
+    kv.caller_assigns_pages = !options.executor_assigns_pages;
     EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, model->CreateKvCache(kv));
     auto owning = std::make_unique<OwningLocalExecutor>(std::move(model), std::move(cache));
     if (options.kv_disk_slots > 0) {
@@ -85,6 +88,11 @@ absl::StatusOr<LocalExecutor> CreateLocalExecutor(const LocalExecutorOptions& op
     }
     out.executor = std::move(owning);
     return out;
+  }
+  if (options.executor_assigns_pages) {
+    return absl::InvalidArgumentError(
+        "local rank processes take pages only from the caller's block tables "
+        "(executor_assigns_pages needs ranks = 1)");
   }
   EXL3_ASSIGN_OR_RETURN(out.facts, ReadModelFacts(options.model_dir));
   LocalGroupOptions group;

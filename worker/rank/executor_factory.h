@@ -46,8 +46,11 @@ struct LocalExecutorOptions {
   int threads_per_rank = 1;
   std::string rank_executable;  // empty: this process's executable
   // Every rank's cache (caller_assigns_pages is forced on: the caller's block
-  // tables place every sequence).
+  // tables place every sequence — unless executor_assigns_pages).
   KvCacheOptions kv;
+  // ranks == 1 only: the cache takes pages from its own pool (a draft model's
+  // cache, coordinator/draft_model.h, which no block table places).
+  bool executor_assigns_pages = false;
   // The prefix cache's disk tier of every rank (RankSetup::kv_disk_*):
   // kv_disk_slots 0 = none.
   std::string kv_disk_path;

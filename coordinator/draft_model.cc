@@ -1,0 +1,107 @@
+#include "coordinator/draft_model.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace exl3serve::coordinator {
+
+DraftModel::DraftModel(std::unique_ptr<worker::StepExecutor> executor)
+    : executor_(std::move(executor)) {}
+
+std::span<const int32_t> DraftModel::cached(int64_t seq_id) const {
+  auto it = fed_.find(seq_id);
+  return it == fed_.end() ? std::span<const int32_t>() : std::span<const int32_t>(it->second);
+}
+
+void DraftModel::Forget(int64_t seq_id) {
+  if (fed_.erase(seq_id) > 0) executor_->RemoveSequence(seq_id).IgnoreError();
+}
+
+void DraftModel::ForgetAll() {
+  for (const auto& [seq_id, tokens] : fed_) executor_->RemoveSequence(seq_id).IgnoreError();
+  fed_.clear();
+}
+
+absl::Status DraftModel::Propose(std::span<const DraftRequest> requests,
+                                 std::vector<std::vector<int32_t>>* drafts) {
+  drafts->assign(requests.size(), {});
+  absl::flat_hash_set<int64_t> seen;
+  for (const DraftRequest& r : requests) {
+    if (r.tokens.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("draft: sequence ", r.seq_id, " has no tokens"));
+    }
+    if (!seen.insert(r.seq_id).second) {
+      return absl::InvalidArgumentError(absl::StrCat("draft: sequence ", r.seq_id, " twice"));
+    }
+  }
+  // On any executor error: forget everything (frees the draft pool).
+  auto fail = [&](absl::Status s) {
+    ForgetAll();
+    drafts->clear();
+    return s;
+  };
+  // 1. Bring each drafting sequence's cache to its tokens but the last one
+  // held back, so the first forward has at least one token with logits.
+  std::vector<size_t> active;
+  std::vector<std::vector<int32_t>> feed(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const DraftRequest& r = requests[i];
+    if (r.k <= 0) continue;
+    auto it = fed_.find(r.seq_id);
+    if (it == fed_.end()) {
+      worker::SequenceSampling greedy;
+      greedy.params.temperature = 0.0f;
+      greedy.params.seed = 0;
+      greedy.prompt_len = static_cast<int64_t>(r.tokens.size());
+      if (absl::Status s = executor_->AddSampledSequence(r.seq_id, greedy); !s.ok()) return fail(s);
+      it = fed_.emplace(r.seq_id, std::vector<int32_t>()).first;
+    }
+    std::vector<int32_t>& fed = it->second;
+    const size_t limit = std::min(fed.size(), r.tokens.size() - 1);
+    size_t common = 0;
+    while (common < limit && fed[common] == r.tokens[common]) ++common;
+    if (common < fed.size()) {
+      const std::span<const int32_t> dropped = std::span<const int32_t>(fed).subspan(common);
+      if (absl::Status s = executor_->TruncateSequence(r.seq_id, dropped); !s.ok()) return fail(s);
+      stats_.rolled_back += dropped.size();
+      fed.resize(common);
+    }
+    feed[i].assign(r.tokens.begin() + static_cast<std::ptrdiff_t>(common), r.tokens.end());
+    stats_.catch_up_tokens += feed[i].size() - 1;
+    active.push_back(i);
+  }
+  // 2. One forward per draft position over every sequence still drafting.
+  std::vector<worker::SequenceTokens> batch;
+  std::vector<uint8_t> sample;
+  std::vector<worker::SampledToken> tokens;
+  for (int round = 0; !active.empty(); ++round) {
+    batch.clear();
+    for (size_t i : active) batch.push_back({requests[i].seq_id, feed[i]});
+    sample.assign(batch.size(), 1);
+    if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens); !s.ok()) return fail(s);
+    ++stats_.forwards;
+    std::vector<size_t> next;
+    for (size_t j = 0; j < active.size(); ++j) {
+      const size_t i = active[j];
+      const int32_t token = tokens[j].id;
+      if (token < 0 || token >= executor_->vocab_size()) {
+        return fail(absl::InternalError(absl::StrCat("draft model sampled token ", token,
+                                                     " outside its vocabulary")));
+      }
+      std::vector<int32_t>& fed = fed_.at(requests[i].seq_id);
+      fed.insert(fed.end(), feed[i].begin(), feed[i].end());
+      (*drafts)[i].push_back(token);
+      if (static_cast<int>((*drafts)[i].size()) < requests[i].k) {
+        feed[i].assign(1, token);
+        next.push_back(i);
+      }
+    }
+    active = std::move(next);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace exl3serve::coordinator
