@@ -25,6 +25,7 @@
 #include "coordinator/grpc_server.h"
 #include "exl3serve/rank/v1/rank.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/api/verified_forward.h"
 #include "worker/rank/executor_factory.h"
 
 namespace exl3serve::coordinator {
@@ -47,6 +48,16 @@ int KvBits(worker::KvCacheDtype dtype) {
       return 4;
   }
   return 16;
+}
+
+// A token of StepResult.tokens / runs (top logprobs: the pairs both lists have).
+worker::SampledToken FromProto(const pb::SampledTokenResult& t) {
+  worker::SampledToken out;
+  out.id = t.token_id();
+  out.logprob = t.logprob();
+  const int tops = std::min(t.top_ids_size(), t.top_logprobs_size());
+  for (int k = 0; k < tops; ++k) out.top_logprobs.push_back({t.top_ids(k), t.top_logprobs(k)});
+  return out;
 }
 
 pb::GemmPrecision ToProto(kernels::TrellisGemmPrecision precision) {
@@ -164,7 +175,8 @@ class RemoteRankGroup::Impl {
   void Monitor();
   absl::Status RunStep(pb::Step step, std::vector<float>* logits,
                        std::vector<worker::SampledToken>* tokens = nullptr,
-                       std::string* kv_blocks_loaded = nullptr);
+                       std::string* kv_blocks_loaded = nullptr,
+                       std::vector<std::vector<worker::SampledToken>>* runs = nullptr);
   absl::Status WaitReady(absl::Time deadline) const;
   RankGroupStatus Status() const;
   void Shutdown(const std::string& reason);
@@ -214,6 +226,7 @@ class RemoteRankGroup::Impl {
     int remaining = 0;
     std::vector<float> logits;
     std::vector<worker::SampledToken> tokens;  // rank 0's, sampled forwards
+    std::vector<std::vector<worker::SampledToken>> runs;  // rank 0's, verified forwards
     std::string kv_blocks_loaded;              // rank 0's, load_kv_blocks
   };
 
@@ -249,6 +262,19 @@ class RemoteRankGroup::Impl {
  public:
   // Caller (step) thread only: AssignPages not yet sent, per sequence.
   absl::flat_hash_map<int64_t, std::vector<int32_t>> staged_pages_;
+  // Appends `entry` to `forward` with its staged pages (which count as sent
+  // from here on: the ranks hold them now, or refuse them).
+  pb::SequenceTokens* AddEntry(const worker::SequenceTokens& entry, pb::ForwardBatch* forward) {
+    pb::SequenceTokens* seq = forward->add_sequences();
+    seq->set_seq_id(entry.seq_id);
+    seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
+    auto staged = staged_pages_.find(entry.seq_id);
+    if (staged != staged_pages_.end()) {
+      seq->mutable_block_ids()->Assign(staged->second.begin(), staged->second.end());
+      staged_pages_.erase(staged);
+    }
+    return seq;
+  }
   // After a successful WaitReady in Recover: the caller starts afresh.
   void ForgetSession() {
     absl::MutexLock lock(&mu_);
@@ -522,14 +548,15 @@ void RemoteRankGroup::Impl::OnMessage(const std::shared_ptr<Conn>& conn,
         result_bytes_ += result.ByteSizeLong();
         pending_->logits.assign(result.logits().begin(), result.logits().end());
         pending_->kv_blocks_loaded = result.kv_blocks_loaded();
-        pending_->tokens.resize(result.tokens_size());
-        for (int i = 0; i < result.tokens_size(); ++i) {
-          const pb::SampledTokenResult& t = result.tokens(i);
-          worker::SampledToken& out = pending_->tokens[i];
-          out.id = t.token_id();
-          out.logprob = t.logprob();
-          const int tops = std::min(t.top_ids_size(), t.top_logprobs_size());
-          for (int k = 0; k < tops; ++k) out.top_logprobs.push_back({t.top_ids(k), t.top_logprobs(k)});
+        pending_->tokens.clear();
+        for (const pb::SampledTokenResult& t : result.tokens()) {
+          pending_->tokens.push_back(FromProto(t));
+        }
+        pending_->runs.assign(result.runs_size(), {});
+        for (int i = 0; i < result.runs_size(); ++i) {
+          for (const pb::SampledTokenResult& t : result.runs(i).tokens()) {
+            pending_->runs[i].push_back(FromProto(t));
+          }
         }
       }
       --pending_->remaining;
@@ -685,7 +712,8 @@ void RemoteRankGroup::Impl::Monitor() {
 
 absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* logits,
                                             std::vector<worker::SampledToken>* tokens,
-                                            std::string* kv_blocks_loaded) {
+                                            std::string* kv_blocks_loaded,
+                                            std::vector<std::vector<worker::SampledToken>>* runs) {
   uint64_t epoch = 0, id = 0;
   {
     Outbox out;
@@ -752,6 +780,7 @@ absl::Status RemoteRankGroup::Impl::RunStep(pb::Step step, std::vector<float>* l
   if (logits != nullptr) *logits = std::move(done.logits);
   if (tokens != nullptr) *tokens = std::move(done.tokens);
   if (kv_blocks_loaded != nullptr) *kv_blocks_loaded = std::move(done.kv_blocks_loaded);
+  if (runs != nullptr) *runs = std::move(done.runs);
   return absl::OkStatus();
 }
 
@@ -964,16 +993,8 @@ absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTok
   forward->set_rows(pb::LOGITS_ROWS_LAST_TOKEN);
   forward->set_sampled(true);
   for (size_t i = 0; i < batch.size(); ++i) {
-    const worker::SequenceTokens& entry = batch[i];
-    pb::SequenceTokens* seq = forward->add_sequences();
-    seq->set_seq_id(entry.seq_id);
-    seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
+    pb::SequenceTokens* seq = impl_->AddEntry(batch[i], forward);
     seq->set_sample(sample[i] != 0);
-    auto staged = impl_->staged_pages_.find(entry.seq_id);
-    if (staged != impl_->staged_pages_.end()) {
-      seq->mutable_block_ids()->Assign(staged->second.begin(), staged->second.end());
-      impl_->staged_pages_.erase(staged);
-    }
   }
   std::vector<worker::SampledToken> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, &received));
@@ -982,6 +1003,29 @@ absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTok
                                             " sampled tokens for a batch of ", batch.size()));
   }
   *tokens = std::move(received);
+  return absl::OkStatus();
+}
+
+absl::Status RemoteRankGroup::ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                                              std::span<const uint8_t> sample,
+                                              std::span<const int32_t> draft_counts,
+                                              std::vector<std::vector<worker::SampledToken>>* runs) {
+  EXL3_RETURN_IF_ERROR(worker::CheckDraftCounts(batch, sample, draft_counts));
+  pb::Step step;
+  pb::ForwardBatch* forward = step.mutable_forward();
+  forward->set_rows(pb::LOGITS_ROWS_LAST_TOKEN);
+  forward->set_sampled(true);
+  forward->set_verified(true);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    pb::SequenceTokens* seq = impl_->AddEntry(batch[i], forward);
+    seq->set_sample(sample[i] != 0);
+    seq->set_num_draft(draft_counts[i]);
+  }
+  std::vector<std::vector<worker::SampledToken>> received;
+  EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, nullptr, nullptr, &received));
+  EXL3_RETURN_IF_ERROR(
+      worker::CheckVerifiedRuns(batch, sample, draft_counts, vocab_size(), received));
+  *runs = std::move(received);
   return absl::OkStatus();
 }
 
@@ -1050,16 +1094,7 @@ absl::Status RemoteRankGroup::Forward(std::span<const worker::SequenceTokens> ba
   pb::ForwardBatch* forward = step.mutable_forward();
   forward->set_rows(rows == worker::LogitsRows::kLastToken ? pb::LOGITS_ROWS_LAST_TOKEN
                                                            : pb::LOGITS_ROWS_ALL_TOKENS);
-  for (const worker::SequenceTokens& entry : batch) {
-    pb::SequenceTokens* seq = forward->add_sequences();
-    seq->set_seq_id(entry.seq_id);
-    seq->mutable_token_ids()->Assign(entry.tokens.begin(), entry.tokens.end());
-    auto staged = impl_->staged_pages_.find(entry.seq_id);
-    if (staged != impl_->staged_pages_.end()) {
-      seq->mutable_block_ids()->Assign(staged->second.begin(), staged->second.end());
-      impl_->staged_pages_.erase(staged);  // sent: the ranks hold them now (or refuse them)
-    }
-  }
+  for (const worker::SequenceTokens& entry : batch) impl_->AddEntry(entry, forward);
   std::vector<float> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), &received));
   // Rank 0's logits are rows x vocab: anything else is a broken rank, not

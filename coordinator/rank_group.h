@@ -69,7 +69,7 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 4;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 5;
 
 // Who may register as a rank (the coordinator<->rank channel's security).
 // cert_file + key_file (PEM) turn TLS on for the rank endpoint; with
@@ -205,6 +205,16 @@ class RemoteRankGroup final : public worker::StepExecutor {
   absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
                               std::span<const uint8_t> sample,
                               std::vector<worker::SampledToken>* tokens) override;
+  // Speculative verification (rank protocol v5: ForwardBatch.verified,
+  // SequenceTokens.num_draft, StepResult.runs). InvalidArgument before
+  // anything is sent (staged pages kept) for draft counts that
+  // worker::CheckDraftCounts refuses; DataLoss when rank 0's runs are not a
+  // possible answer (worker::CheckVerifiedRuns), as for ForwardSampled's
+  // token count.
+  absl::Status ForwardVerified(std::span<const worker::SequenceTokens> batch,
+                               std::span<const uint8_t> sample,
+                               std::span<const int32_t> draft_counts,
+                               std::vector<std::vector<worker::SampledToken>>* runs) override;
   absl::Status RemoveSequence(int64_t seq_id) override;
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override;

@@ -1,7 +1,8 @@
 // The coordinator's rank membership end to end: an in-process RemoteRankGroup
 // endpoint on 127.0.0.1 (port 0) and real `exl3serve worker --coordinator`
 // rank processes on a small test model. Ranks register -> ready; Forward
-// logits match the model run in this process; a rank killed with SIGKILL
+// logits match the model run in this process; ForwardVerified (speculative
+// verification) gives the in-process runs and serial decoding; a rank killed with SIGKILL
 // fails the step with UNAVAILABLE within the deadline, tears the group down
 // and leaves no process behind; restarted ranks re-form the group; a protocol
 // version mismatch and a KV layout mismatch are refused (the rank exits); a
@@ -32,6 +33,7 @@
 #include "gtest/gtest.h"
 #include "sharding/test_model.h"
 #include "tests/testing/scratch_dir.h"
+#include "tests/testing/verified_script.h"
 #include "worker/model/step_executor.h"
 #include "worker/model/transformer.h"
 
@@ -252,6 +254,68 @@ TEST_F(RankGroupTest, TwoRanksRegisterAndForwardMatchesOneProcess) {
   ASSERT_TRUE(r1.WaitExit(kExitTimeout, &s1));
   EXPECT_TRUE(WIFEXITED(s0) && WEXITSTATUS(s0) == 0) << s0;
   EXPECT_TRUE(WIFEXITED(s1) && WEXITSTATUS(s1) == 0) << s1;
+}
+
+// Speculative verification through the rank protocol (v5: num_draft per
+// entry, runs in the StepResult) at TP 2: the shared script
+// (tests/testing/verified_script.h) gives the same runs as the model in this
+// process and as serial decoding, and a plain step after the last rollback
+// is equal too. Malformed draft counts are refused before a Step is sent
+// (the group stays ready; the staged pages go with the next forward).
+TEST_F(RankGroupTest, VerifiedForwardAtTp2MatchesOneProcessAndSerialDecoding) {
+  absl::StatusOr<std::unique_ptr<RemoteRankGroup>> group = RemoteRankGroup::Start(Options(2));
+  ASSERT_TRUE(group.ok()) << group.status();
+  RankProcess r0(Address(**group), 0, {});
+  RankProcess r1(Address(**group), 1, {});
+  const absl::Status ready = (*group)->WaitReady(absl::Now() + kReadyTimeout);
+  ASSERT_TRUE(ready.ok()) << ready;
+  absl::StatusOr<std::unique_ptr<worker::Transformer>> local = worker::Transformer::Load(model->path);
+  ASSERT_TRUE(local.ok()) << local.status();
+  worker::KvCacheOptions kv = *(*group)->kv_options();  // caller-assigned pages, as the ranks
+  absl::StatusOr<worker::PagedKvCache> cache = (*local)->CreateKvCache(kv);
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  worker::LocalStepExecutor reference(local->get(), std::move(*cache));
+  const uint32_t gtest_seed = static_cast<uint32_t>(::testing::UnitTest::GetInstance()->random_seed());
+  const uint64_t bytes_before = (*group)->result_bytes_received();
+  for (uint32_t round = 0; round < 2; ++round) {
+    const uint32_t seed = gtest_seed * 17u + round;
+    SCOPED_TRACE(::testing::Message() << "script seed " << seed);
+    const testing::VerifiedScriptResult r = testing::RunVerifiedScript(
+        reference, **group,
+        {.seed = seed, .vocab_size = 1000, .page_size_tokens = kv.page_size_tokens,
+         .num_pages = kv.num_pages});
+    ASSERT_FALSE(HasFailure());
+    EXPECT_GT(r.full_accepts, 0);
+    EXPECT_GT(r.partial_accepts + r.rejections, 0);
+    EXPECT_LT(r.accepted, r.drafted);
+    std::printf("2 remote ranks, seed %u: %lld steps, %lld of %lld drafts accepted\n", seed,
+                (long long)r.steps, (long long)r.accepted, (long long)r.drafted);
+  }
+  EXPECT_GT((*group)->result_bytes_received(), bytes_before);
+
+  worker::SequenceSampling sampling;
+  sampling.params.seed = 9;
+  sampling.prompt_len = 4;
+  ASSERT_TRUE((*group)->AddSampledSequence(77, sampling).ok());
+  ASSERT_TRUE((*group)->AssignPages(77, std::vector<int32_t>{5}).ok());
+  const std::vector<int32_t> prompt = {11, 12, 13, 14};
+  const SequenceTokens entry{77, prompt};
+  const uint8_t yes = 1, no = 0;
+  std::vector<std::vector<worker::SampledToken>> runs;
+  for (const int32_t d : {-1, 4, 7}) {
+    const absl::Status s = (*group)->ForwardVerified({&entry, 1}, {&yes, 1}, {&d, 1}, &runs);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << d << ": " << s;
+  }
+  const int32_t two = 2;
+  EXPECT_EQ((*group)->ForwardVerified({&entry, 1}, {&no, 1}, {&two, 1}, &runs).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*group)->ready());
+  const int32_t one = 1;
+  const absl::Status s = (*group)->ForwardVerified({&entry, 1}, {&yes, 1}, {&one, 1}, &runs);
+  ASSERT_TRUE(s.ok()) << s;  // with page 5, staged through the refusals
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_GE(runs[0].size(), 1u);
+  EXPECT_LE(runs[0].size(), 2u);
 }
 
 TEST_F(RankGroupTest, KilledRankFailsTheStepAndTearsTheGroupDown) {

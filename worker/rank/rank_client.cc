@@ -52,6 +52,16 @@ void SetStatus(const absl::Status& status, pb::RankStatus* out) {
   out->set_message(std::string(status.message()));
 }
 
+// A drawn token as StepResult carries it, with `id` as its token_id.
+void ToProto(const SampledToken& token, int32_t id, pb::SampledTokenResult* out) {
+  out->set_token_id(id);
+  if (token.logprob != 0.0f) out->set_logprob(token.logprob);
+  for (const TokenLogprob& top : token.top_logprobs) {
+    out->add_top_ids(top.id);
+    out->add_top_logprobs(top.logprob);
+  }
+}
+
 absl::StatusOr<KvCacheDtype> KvDtype(int bits) {
   if (bits == 0) return KvCacheDtype::kFp16;
   return KvCacheDtypeFromBits(bits);
@@ -388,11 +398,12 @@ class Session {
       }
       std::vector<float> logits;
       std::vector<SampledToken> sampled;
+      std::vector<std::vector<SampledToken>> runs;
       std::vector<uint8_t> kv_loaded;
       absl::Duration forward_time;
       if (status.ok()) {
         const absl::Time forward_start = absl::Now();
-        status = ExecuteRankCommand(loaded, command, &logits, &sampled, &kv_loaded);
+        status = ExecuteRankCommand(loaded, command, &logits, &sampled, &kv_loaded, &runs);
         forward_time = absl::Now() - forward_start;
       }
       SetStatus(status, result->mutable_status());
@@ -400,15 +411,15 @@ class Session {
         result->set_kv_blocks_loaded(std::string(kv_loaded.begin(), kv_loaded.end()));
       }
       if (status.ok() && loaded.rank == 0 && command.op == RankCommand::Op::kForward) {
-        if (!command.batch_sample.empty()) {
+        if (!command.batch_draft.empty()) {
+          for (const std::vector<SampledToken>& run : runs) {
+            pb::SampledRun* out = result->add_runs();
+            for (const SampledToken& token : run) ToProto(token, token.id, out->add_tokens());
+          }
+        } else if (!command.batch_sample.empty()) {
           for (size_t i = 0; i < sampled.size(); ++i) {
-            pb::SampledTokenResult* t = result->add_tokens();
-            t->set_token_id(command.batch_sample[i] != 0 ? sampled[i].id : -1);
-            if (sampled[i].logprob != 0.0f) t->set_logprob(sampled[i].logprob);
-            for (const TokenLogprob& top : sampled[i].top_logprobs) {
-              t->add_top_ids(top.id);
-              t->add_top_logprobs(top.logprob);
-            }
+            ToProto(sampled[i], command.batch_sample[i] != 0 ? sampled[i].id : -1,
+                    result->add_tokens());
           }
         } else {
           result->mutable_logits()->Assign(logits.begin(), logits.end());

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "exl3serve/rank/v1/rank.pb.h"
+#include "worker/api/verified_forward.h"
 
 namespace exl3serve::worker::rank {
 
@@ -77,6 +78,28 @@ absl::StatusOr<RankCommand> RankCommandFromStep(const pb::Step& step, uint64_t g
         command.batch_seq_ids.push_back(seq.seq_id());
         command.batch_tokens.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
         command.batch_new_pages.emplace_back(seq.block_ids().begin(), seq.block_ids().end());
+        if (forward.verified()) {
+          command.batch_draft.push_back(seq.num_draft());
+        } else if (seq.num_draft() != 0 && status.ok()) {
+          status = absl::InvalidArgumentError(absl::StrCat(
+              "step ", step.step_id(), ": sequence ", seq.seq_id(), " has num_draft ",
+              seq.num_draft(), " in a forward that is not verified"));
+        }
+      }
+      if (forward.verified() && status.ok()) {
+        if (!forward.sampled()) {
+          status = absl::InvalidArgumentError(
+              absl::StrCat("step ", step.step_id(), ": a verified forward must be sampled"));
+        } else {
+          std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
+          for (size_t i = 0; i < batch.size(); ++i) {
+            batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
+          }
+          if (absl::Status s = CheckDraftCounts(batch, command.batch_sample, command.batch_draft);
+              !s.ok()) {
+            status = absl::InvalidArgumentError(absl::StrCat("step ", step.step_id(), ": ", s.message()));
+          }
+        }
       }
       break;
     }

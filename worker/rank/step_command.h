@@ -26,7 +26,9 @@ namespace exl3serve::worker::rank {
 // Errors: Aborted for a step of another generation (every rank of the group
 // refuses it alike; the coordinator replays), InvalidArgument naming the
 // step for no operation, a forward without rows, a sampled forward with no
-// sequences.
+// sequences, a verified forward that is not sampled or whose draft counts
+// fail worker::CheckDraftCounts (naming the entry), a num_draft on a forward
+// that is not verified.
 absl::StatusOr<RankCommand> RankCommandFromStep(const ::exl3serve::rank::v1::Step& step,
                                                 uint64_t group_generation);
 
