@@ -99,7 +99,9 @@ double TimeSteps(const w::Transformer& model, int batch, int k, int steps) {
     std::vector<int32_t> counts(batch, prompt ? 0 : std::max(drafts, 0));
     for (int b = 0; b < batch; ++b) {
       if (prompt) {
-        for (int i = 0; i < 64; ++i) feeds[b].push_back(100 + 37 * i + b);
+        for (int i = 0; i < 64; ++i) {
+          feeds[b].push_back(static_cast<int32_t>((100 + 37 * i + b) % model.vocab_size()));
+        }
       } else {
         feeds[b] = last[b];
         // A draft no greedy step picks here: the previous token repeated
@@ -169,13 +171,17 @@ std::pair<double, double> TimeMixed(const w::Transformer& model, const MixedShap
     std::vector<int32_t> last_rows;
     for (int b = 0; b < shape.decode; ++b) {
       const int n = prompt ? 64 : shape.rows_each;
-      for (int i = 0; i < n; ++i) feeds[b].push_back(static_cast<int32_t>((100 + 37 * i + 11 * b + 7 * index) % vocab));
+      for (int i = 0; i < n; ++i) {
+        feeds[b].push_back(static_cast<int32_t>((100 + 37 * i + 11 * b + 7 * index) % vocab));
+      }
       batch.push_back({b, feeds[b]});
       last_rows.push_back(prompt ? 1 : n);
     }
     const int64_t chunk_id = 1000 + index;
     if (!prompt && shape.chunk > 0) {
-      for (int i = 0; i < shape.chunk; ++i) feeds.back().push_back(static_cast<int32_t>((5 + 13 * i + index) % vocab));
+      for (int i = 0; i < shape.chunk; ++i) {
+        feeds.back().push_back(static_cast<int32_t>((5 + 13 * i + index) % vocab));
+      }
       if (auto s = caches[arm].AddSequence(chunk_id); !s.ok()) Die(s.ToString());
       batch.push_back({chunk_id, feeds.back()});
       last_rows.push_back(0);
@@ -272,16 +278,17 @@ int main(int argc, char** argv) {
               static_cast<long long>((*model)->vocab_size()),
               exl3serve::kernels::cpu::SharedThreadPool().size(), steps);
   if (!mixed_only) {
-  std::printf("| batch | draft k | rows | step ms | decode step ms (ceiling) | ratio | break-even accepted/round |\n");
-  std::printf("|---|---|---|---|---|---|---|\n");
-  for (int batch : batches) {
-    const double decode = TimeSteps(**model, batch, -1, steps);
-    for (int k = 0; k <= max_draft; k = k == 0 ? 1 : k * 2) {
-      const double t = TimeSteps(**model, batch, k, steps);
-      std::printf("| %d | %d | %d | %.2f | %.2f | %.2fx | %.2f |\n", batch, k, batch * (k + 1),
-                  1e3 * t, 1e3 * decode, t / decode, t / decode - 1.0);
+    std::printf("| batch | draft k | rows | step ms | decode step ms (ceiling) | ratio |"
+                " break-even accepted/round |\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    for (int batch : batches) {
+      const double decode = TimeSteps(**model, batch, -1, steps);
+      for (int k = 0; k <= max_draft; k = k == 0 ? 1 : k * 2) {
+        const double t = TimeSteps(**model, batch, k, steps);
+        std::printf("| %d | %d | %d | %.2f | %.2f | %.2fx | %.2f |\n", batch, k, batch * (k + 1),
+                    1e3 * t, 1e3 * decode, t / decode, t / decode - 1.0);
+      }
     }
-  }
   }
   std::printf("\nmixed steps: row plan (int8 decode-kind rows + fp32 prefill-kind rows, one kernel "
               "call per kind) vs one fp32 call of all rows (ceiling: what the old m-based switch "

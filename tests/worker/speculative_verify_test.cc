@@ -53,10 +53,14 @@ class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     owned_ = std::move(*loaded);
     model_ = owned_.get();
-    if (int8()) ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+    if (int8()) {
+      ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+    }
   }
   void TearDown() override {
-    if (int8()) ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+    if (int8()) {
+      ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat).ok());
+    }
   }
   // int8 decode activations: the int8 kernels have no row crossover and
   // Transformer runs each entry at the precision it gets alone (linear.h

@@ -45,9 +45,10 @@ class InputObserver {
 
 // Precision of the prefill-kind rows (see RowKind below: rows of a batch
 // entry of at least kPrefillMinRows tokens; in the m-based Forward, every
-// call of at least that many rows) of every EXL3 Linear::Forward in this process: kFloat (default, exact fp32) or kBf16 (bf16
-// weights and activations, fp32 sums; ~0.24-0.3 % RMS error, AMX where the CPU
-// has it: kernels/trellis_gemm.h). Decode-kind rows run DecodePrecision().
+// call of at least that many rows) of every EXL3 Linear::Forward in this
+// process: kFloat (default, exact fp32) or kBf16 (bf16 weights and
+// activations, fp32 sums; ~0.24-0.3 % RMS error, AMX where the CPU has it:
+// kernels/trellis_gemm.h). Decode-kind rows run DecodePrecision().
 // Set it before serving (`generate|serve|worker --prefill-precision bf16`;
 // rank processes get it as a worker flag or in the coordinator's Setup);
 // affects this process only. Thread-safe.

@@ -677,7 +677,9 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   // of its rows in row order (runs of the batch plan stay runs).
   std::vector<RowKind> kind_of_row;
   kind_of_row.reserve(static_cast<size_t>(m));
-  for (const RowRun& run : plan) kind_of_row.insert(kind_of_row.end(), static_cast<size_t>(run.rows), run.kind);
+  for (const RowRun& run : plan) {
+    kind_of_row.insert(kind_of_row.end(), static_cast<size_t>(run.rows), run.kind);
+  }
   std::vector<RowRun> expert_plan;
   std::vector<float> x, y;
   for (int64_t e = held_begin; e < held_end; ++e) {  // the experts this rank holds
