@@ -148,6 +148,9 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
                  "sequence's own tokens); or draft (a smaller model with the same tokenizer, "
                  "--draft-model). Drafts are verified on the ranks: the output is identical")
       ->capture_default_str();
+  app.add_flag("--no-draft-governor{false}", args->engine.draft_governor,
+               "speculative decoding: draft whenever the windows say so (default: time decode "
+               "steps with and without drafts and draft only while it costs less per token)");
   app.add_option("--draft-model", args->engine.draft_model_dir,
                  "speculative decoding by a draft model: its directory (EXL3 or Hugging Face; "
                  "the same vocabulary), run in this process");

@@ -656,7 +656,9 @@ void LocalEngine::Loop() {
 
 void LocalEngine::Step() {
   const absl::Time now = options_.clock();
-  ProposeDrafts();
+  const absl::Time wall_start = absl::Now();  // the governor's cost clock
+  const bool drafts_allowed = drafting_ && (!options_.draft_governor || governor_.AllowDrafts());
+  if (drafts_allowed) ProposeDrafts();
   ScheduleOutput out = scheduler_.Schedule(now);
   for (const DroppedSequence& d : out.dropped) {
     if (d.reason == DropReason::kCancelled) {
@@ -799,6 +801,19 @@ void LocalEngine::Step() {
       scheduler_.AppendRun(c.seq_id, run_ids);
       if (live.drafter) live.drafter->Append(run_ids);
     }
+  }
+  if (drafting_ && options_.draft_governor) {
+    DraftStepCost cost{.drafts_allowed = drafts_allowed, .decode_only = true};
+    for (size_t i = 0; i < out.batch.size(); ++i) {
+      const ScheduledChunk& c = out.batch[i];
+      if (!c.needs_logits || static_cast<int64_t>(c.tokens.size()) - c.num_draft != 1) {
+        cost.decode_only = false;
+      } else {
+        cost.tokens += any_draft ? static_cast<int64_t>(runs_[i].size()) : 1;
+      }
+    }
+    cost.seconds = absl::ToDoubleSeconds(absl::Now() - wall_start);
+    governor_.Observe(cost);
   }
   step.step = options_.clock() - now;
   step.forward = done - forward_start;

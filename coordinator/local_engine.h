@@ -61,6 +61,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
+#include "coordinator/draft_governor.h"
 #include "coordinator/draft_length.h"
 #include "coordinator/draft_model.h"
 #include "coordinator/engine_observer.h"
@@ -158,6 +159,10 @@ struct EngineOptions {
   int draft_tokens = 4;               // 1..kMaxDraftTokens
   int64_t draft_token_budget = 128;   // >= 1
   NgramDrafterOptions ngram;          // kNgram's match lengths
+  // Time decode steps with drafts allowed and without and keep drafting
+  // only while it costs less per token (draft_governor.h); false: draft
+  // whenever the windows say so (tests, measurements of the raw cost).
+  bool draft_governor = true;
   // kDraftModel: the draft model's directory (EXL3 or Hugging Face, the
   // target's vocabulary). It runs in the coordinator's process with a KV
   // pool of kv.num_pages pages of its own (LoadDraftModel).
@@ -336,6 +341,7 @@ class LocalEngine final : public Engine {
   // False once the executor answered ForwardVerified with Unimplemented.
   bool drafting_ = false;
   std::unique_ptr<DraftModel> draft_model_;  // kDraftModel's source
+  DraftGovernor governor_;
   uint64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_tokens_ = 0;
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).

@@ -1144,6 +1144,7 @@ EngineOptions Speculative(EngineOptions options) {
   options.speculative = SpeculativeMethod::kNgram;
   options.draft_tokens = 5;
   options.draft_token_budget = 24;
+  options.draft_governor = false;  // draft at every step the windows allow (coverage)
   return options;
 }
 

@@ -1,0 +1,37 @@
+#include "coordinator/draft_governor.h"
+
+#include "common/logging.h"
+
+namespace exl3serve::coordinator {
+
+DraftGovernor::DraftGovernor(const DraftGovernorOptions& options) : options_(options) {
+  EXL3_CHECK(options_.probe >= 1 && options_.period > options_.probe);
+  EXL3_CHECK(options_.alpha > 0 && options_.alpha <= 1);
+  EXL3_CHECK(options_.min_samples >= 1);
+}
+
+bool DraftGovernor::AllowDrafts() const {
+  const bool probing = step_in_period_ < options_.probe;
+  return probing ? !choice_ : choice_;
+}
+
+void DraftGovernor::Observe(const DraftStepCost& step) {
+  if (!step.decode_only || step.tokens <= 0 || step.seconds < 0) return;
+  const double per_token = step.seconds / static_cast<double>(step.tokens);
+  std::optional<double>& mean = step.drafts_allowed ? on_ : off_;
+  mean = mean ? options_.alpha * per_token + (1 - options_.alpha) * *mean : per_token;
+  ++(step.drafts_allowed ? on_samples_ : off_samples_);
+  if (++step_in_period_ < options_.period) return;
+  step_in_period_ = 0;
+  if (on_samples_ < options_.min_samples || off_samples_ < options_.min_samples) return;
+  const bool pays = *on_ < options_.margin * *off_;
+  if (pays != choice_) {
+    choice_ = pays;
+    ++switches_;
+    EXL3_LOG(kInfo) << "speculative decoding " << (pays ? "on" : "off") << ": "
+                    << *on_ * 1e3 << " ms per token with drafts, " << *off_ * 1e3
+                    << " ms without";
+  }
+}
+
+}  // namespace exl3serve::coordinator

@@ -1,0 +1,78 @@
+// coordinator/draft_governor.h — whether speculative decoding pays on this
+// deployment right now, measured rather than assumed. Acceptance alone
+// (draft_length.h) does not say it: a verify step of 1 + k rows costs what
+// the kernels make it cost (on a CPU a dense fp32 linear costs ~k times a
+// decode row; a 16-bit head re-reads its weights every 4 rows), and a draft
+// model costs its own forwards. So the engine times its decode steps and
+// compares seconds per generated token with drafts allowed and without.
+//
+//   DraftGovernor governor;
+//   bool draft = governor.AllowDrafts();          // before proposing drafts
+//   ... the step runs ...
+//   governor.Observe({.drafts_allowed = draft, .decode_only = ..., .seconds = t, .tokens = n});
+//
+// Rule: the steps come in periods of `period` (64) decode-only steps; the
+// first `probe` (8) steps of a period run the mode that is not the current
+// choice (a probe), the rest the choice. Each mode keeps an exponential
+// moving average (weight `alpha` 0.25 a step) of seconds per token over its
+// decode-only steps. At the end of every period the choice becomes drafts
+// iff the drafting average is below `margin` (0.97) times the plain one —
+// so drafting that does not pay costs at most the probe share (1/8) of the
+// steps, and drafting that pays keeps ~7/8 of its gain. Until both modes
+// have `min_samples` (4) observations the choice stays "drafts" (the default
+// the operator asked for). Steps with a prefill chunk (decode_only false)
+// are not timed and do not advance the period: their cost is the prompt's.
+//
+// Thread safety: thread-compatible (the engine's scheduler thread owns it).
+#ifndef EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
+#define EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
+
+#include <cstdint>
+#include <optional>
+
+namespace exl3serve::coordinator {
+
+struct DraftGovernorOptions {
+  int period = 64;        // decode-only steps per decision, > probe
+  int probe = 8;          // steps of the other mode per period, >= 1
+  double alpha = 0.25;    // EMA weight of a new observation, (0, 1]
+  double margin = 0.97;   // drafting must be this much cheaper per token
+  int min_samples = 4;    // observations of each mode before deciding
+};
+
+struct DraftStepCost {
+  bool drafts_allowed = false;  // what AllowDrafts said for this step
+  bool decode_only = false;     // every entry decoded (no prefill chunk)
+  double seconds = 0;           // the step's wall time, drafting included
+  int64_t tokens = 0;           // tokens the step generated (runs included)
+};
+
+class DraftGovernor {
+ public:
+  // Requires: options within the ranges above (CHECKed).
+  explicit DraftGovernor(const DraftGovernorOptions& options = {});
+
+  // Whether the next step may draft.
+  bool AllowDrafts() const;
+  void Observe(const DraftStepCost& step);
+
+  // The current choice (what the non-probe steps of a period run).
+  bool choice() const { return choice_; }
+  // Seconds per token of each mode (nullopt before its first observation).
+  std::optional<double> drafting_seconds_per_token() const { return on_; }
+  std::optional<double> plain_seconds_per_token() const { return off_; }
+  // Decisions that turned drafting off / on again (for logs and tests).
+  uint64_t switches() const { return switches_; }
+
+ private:
+  const DraftGovernorOptions options_;
+  bool choice_ = true;
+  int step_in_period_ = 0;
+  std::optional<double> on_, off_;
+  int on_samples_ = 0, off_samples_ = 0;
+  uint64_t switches_ = 0;
+};
+
+}  // namespace exl3serve::coordinator
+
+#endif  // EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
