@@ -6,13 +6,14 @@
 // ready. Structured: Register (protocol version, rank, world size near and
 // far from the right ones), Ready (OK or an error, vocab and KV layout right
 // or wrong), Heartbeat, StepResult for the pending step or another (status,
-// tokens of any count and id, logits of any length), and raw bytes parsed as
-// a RankMessage.
+// tokens of any count and id, verified runs of any count, length and ids,
+// logits of any length), and raw bytes parsed as a RankMessage.
 //
 // Contract: no crash, leak or UB in the coordinator; each driver call ends
 // (the group's step timeout bounds it) with OK or an error code a caller
-// handles; an OK sampled forward has one token per entry, an OK forward
-// rows x vocab logits. After each input the fake rank hangs up and the group
+// handles; an OK sampled forward has one token per entry, an OK verified
+// forward runs that worker::CheckVerifiedRuns accepts (a malformed draft
+// count is InvalidArgument, never a Step), an OK forward rows x vocab logits. After each input the fake rank hangs up and the group
 // is back to forming (the next input starts from the same state).
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -32,6 +33,7 @@
 #include "coordinator/rank_group.h"
 #include "exl3serve/rank/v1/rank.grpc.pb.h"
 #include "grpcpp/grpcpp.h"
+#include "worker/api/verified_forward.h"
 
 namespace pb = ::exl3serve::rank::v1;
 namespace co = ::exl3serve::coordinator;
@@ -139,7 +141,16 @@ class Inbox {
     if (last_step_.has_forward()) {
       const pb::ForwardBatch& f = last_step_.forward();
       for (int i = 0; i < f.sequences_size(); ++i) {
-        if (f.sampled()) {
+        const pb::SequenceTokens& seq = f.sequences(i);
+        if (f.verified()) {  // half the drafts accepted, then token 7
+          pb::SampledRun* run = r->add_runs();
+          if (!seq.sample()) continue;
+          const int first = seq.token_ids_size() - seq.num_draft();
+          for (int j = 0; j < seq.num_draft() / 2; ++j) {
+            run->add_tokens()->set_token_id(seq.token_ids(first + j));
+          }
+          run->add_tokens()->set_token_id(7);
+        } else if (f.sampled()) {
           r->add_tokens()->set_token_id(f.sequences(i).sample() ? 7 : -1);
         } else {
           for (int64_t v = 0; v < vocab; ++v) r->add_logits(static_cast<float>(v));
@@ -265,6 +276,16 @@ pb::RankMessage NextMessage(FuzzedDataProvider& in, Inbox& inbox, int64_t vocab)
           if (in.ConsumeBool()) token->add_top_logprobs(in.ConsumeFloatingPoint<float>());
         }
       }
+      const int runs = in.ConsumeIntegralInRange(0, 3) == 0 ? in.ConsumeIntegralInRange(0, 4) : 0;
+      for (int k = 0; k < runs; ++k) {
+        pb::SampledRun* run = r->add_runs();
+        for (int t = in.ConsumeIntegralInRange(0, 4); t > 0; --t) {
+          pb::SampledTokenResult* token = run->add_tokens();
+          token->set_token_id(in.ConsumeBool() ? in.ConsumeIntegralInRange<int32_t>(-1, 4)
+                                               : in.ConsumeIntegral<int32_t>());
+          if (in.ConsumeBool()) token->set_logprob(in.ConsumeFloatingPoint<float>());
+        }
+      }
       const int logits = in.ConsumeIntegralInRange(0, 3) == 0 ? in.ConsumeIntegralInRange(0, 400) : 0;
       for (int l = 0; l < logits; ++l) r->add_logits(static_cast<float>(l));
       break;
@@ -275,12 +296,13 @@ pb::RankMessage NextMessage(FuzzedDataProvider& in, Inbox& inbox, int64_t vocab)
 
 // How deep the inputs reach, printed at exit with EXL3_FUZZ_STATS=1.
 struct Reach {
-  std::atomic<int64_t> inputs{0}, drives{0}, calls_ok{0}, calls_failed{0};
+  std::atomic<int64_t> inputs{0}, drives{0}, calls_ok{0}, calls_failed{0}, verified_ok{0};
   ~Reach() {
     if (std::getenv("EXL3_FUZZ_STATS") == nullptr) return;
-    std::fprintf(stderr, "rank_endpoint_fuzz: %lld inputs, %lld reached a ready group; step calls %lld OK, %lld failed\n",
+    std::fprintf(stderr, "rank_endpoint_fuzz: %lld inputs, %lld reached a ready group; step calls %lld OK "
+                 "(%lld verified forwards), %lld failed\n",
                  (long long)inputs.load(), (long long)drives.load(), (long long)calls_ok.load(),
-                 (long long)calls_failed.load());
+                 (long long)verified_ok.load(), (long long)calls_failed.load());
   }
 } reach;
 
@@ -304,6 +326,23 @@ void DriveSteps(co::RemoteRankGroup& group, int calls, int64_t* completed) {
     CheckCallStatus(sampled);
     Count(sampled);
     if (sampled.ok() && tokens.size() != batch.size()) std::abort();
+    // Speculative verification: 0..2 drafts of the three tokens.
+    std::vector<int32_t> drafts(batch.size());
+    for (size_t i = 0; i < drafts.size(); ++i) drafts[i] = static_cast<int32_t>((c + i) % 3);
+    std::vector<std::vector<wk::SampledToken>> runs;
+    const absl::Status verified = group.ForwardVerified(batch, sample, drafts, &runs);
+    CheckCallStatus(verified);
+    Count(verified);
+    if (verified.ok()) ++reach.verified_ok;
+    if (verified.ok() &&
+        !wk::CheckVerifiedRuns(batch, sample, drafts, group.vocab_size(), runs).ok()) {
+      std::abort();  // OK runs are possible runs
+    }
+    drafts[0] = 3;  // no accepted token before the drafts: refused before any Step
+    if (group.ForwardVerified(batch, sample, drafts, &runs).code() !=
+        absl::StatusCode::kInvalidArgument) {
+      std::abort();
+    }
     std::vector<float> logits;
     const absl::Status forward = group.Forward(batch, wk::LogitsRows::kLastToken, &logits);
     CheckCallStatus(forward);

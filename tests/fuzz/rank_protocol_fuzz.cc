@@ -7,30 +7,37 @@
 //
 // Structured: the input drives a FuzzedDataProvider that builds up to 24
 // steps — AddSequence with fuzzed sampling specs (NaN, inf, negative and huge
-// values, logit_bias on ids outside the vocabulary), RemoveSequence, plain and
-// sampled forwards with tokens, KV pages and sequence ids near and far
-// outside their ranges, steps of another group generation — and, for one
-// kind in sixteen, raw bytes parsed as a Step.
+// values, logit_bias on ids outside the vocabulary), RemoveSequence, plain,
+// sampled and verified forwards (speculative decoding: num_draft per entry,
+// mostly in range, sometimes negative, too large, on an unsampled entry or on
+// a forward that is not verified) with tokens, KV pages and sequence ids near
+// and far outside their ranges, steps of another group generation — and, for
+// one kind in sixteen, raw bytes parsed as a Step.
 //
 // Contract: no crash, leak or UB; a refusal is one of the codes a rank
 // answers with and has a message; an accepted forward returns rows x vocab
-// finite logits, or one token in [0, vocab) per sampling entry; after every
+// finite logits, or one token in [0, vocab) per sampling entry, or (verified)
+// runs that worker::CheckVerifiedRuns accepts, with each sequence's KV length
+// advanced by exactly its accepted positions; after every
 // input, removing the sequences it touched returns every KV page to the
 // pool and leaves no sampler state (the next input starts from an empty rank).
 #include <fuzzer/FuzzedDataProvider.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "exl3serve/rank/v1/rank.pb.h"
+#include "worker/api/verified_forward.h"
 #include "worker/model/transformer.h"
 #include "worker/rank/rank_executor.h"
 #include "worker/rank/step_command.h"
@@ -54,15 +61,18 @@ struct Fixture {
 // fuzzer that only ever hits refusals tests little).
 struct Reach {
   int64_t steps = 0, refused_by_translation = 0, refused_by_rank = 0;
-  int64_t added = 0, removed = 0, forwards = 0, sampled_forwards = 0;
+  int64_t added = 0, removed = 0, forwards = 0, sampled_forwards = 0, verified_forwards = 0;
+  int64_t accepted_drafts = 0;
   ~Reach() {
     if (std::getenv("EXL3_FUZZ_STATS") == nullptr) return;
     std::fprintf(stderr,
                  "rank_protocol_fuzz: %lld steps: %lld refused by translation, %lld by the rank; "
-                 "accepted %lld adds, %lld removes, %lld forwards, %lld sampled forwards\n",
+                 "accepted %lld adds, %lld removes, %lld forwards, %lld sampled forwards, "
+                 "%lld verified forwards (%lld drafts accepted)\n",
                  (long long)steps, (long long)refused_by_translation, (long long)refused_by_rank,
                  (long long)added, (long long)removed, (long long)forwards,
-                 (long long)sampled_forwards);
+                 (long long)sampled_forwards, (long long)verified_forwards,
+                 (long long)accepted_drafts);
   }
 } reach;
 
@@ -162,8 +172,13 @@ void FillSampling(FuzzedDataProvider& in, int32_t vocab, pb::SamplingSpec* s) {
   }
 }
 
-// One step built from the input (false: the input is used up).
-bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id, pb::Step* step) {
+// One step built from the input (false: the input is used up). `last_drawn`:
+// each sequence's last token drawn in this input, which verified forwards
+// often use as the token before the drafts and as the drafts (a sequence
+// that repeats itself would accept them; short runs of this random model
+// rarely do, so acceptance is covered by the unit and multi-process tests).
+bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id,
+              const std::map<int64_t, int32_t>& last_drawn, pb::Step* step) {
   if (in.remaining_bytes() == 0) return false;
   const uint8_t kind = in.ConsumeIntegral<uint8_t>();
   if (kind < 16) {
@@ -189,6 +204,9 @@ bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id, pb::Step*
     default: {
       pb::ForwardBatch* forward = step->mutable_forward();
       forward->set_sampled(kind % 5 == 3);
+      // Verified: half the sampled forwards, and rarely one that is not sampled.
+      const uint8_t verify = in.ConsumeIntegral<uint8_t>();
+      forward->set_verified(kind % 5 == 3 ? verify < 128 : verify >= 250);
       static const pb::LogitsRows kRows[] = {pb::LOGITS_ROWS_LAST_TOKEN, pb::LOGITS_ROWS_ALL_TOKENS,
                                              pb::LOGITS_ROWS_UNSPECIFIED,
                                              static_cast<pb::LogitsRows>(9)};
@@ -202,6 +220,19 @@ bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id, pb::Step*
         const int pages = in.ConsumeIntegralInRange(0, 3);
         for (int p = 0; p < pages; ++p) seq->add_block_ids(Page(in));
         seq->set_sample(in.ConsumeBool());
+        const uint8_t draft = in.ConsumeIntegral<uint8_t>();
+        if (forward->verified()) {  // mostly 0 .. tokens (= tokens is refused)
+          seq->set_num_draft(draft < 200 ? in.ConsumeIntegralInRange(0, std::min(tokens, 6))
+                             : draft < 240 ? 0
+                                           : in.ConsumeIntegral<int32_t>());
+          auto last = last_drawn.find(seq->seq_id());
+          const int d = seq->num_draft();
+          if (last != last_drawn.end() && d > 0 && d < tokens && in.ConsumeBool()) {
+            for (int t = tokens - d - 1; t < tokens; ++t) seq->set_token_ids(t, last->second);
+          }
+        } else if (draft >= 250) {
+          seq->set_num_draft(in.ConsumeIntegralInRange(-2, 3));  // refused unless 0
+        }
       }
       break;
     }
@@ -210,7 +241,34 @@ bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id, pb::Step*
 }
 
 void CheckForward(const rk::RankCommand& command, int32_t vocab, const std::vector<float>& logits,
-                  const std::vector<SampledToken>& tokens) {
+                  const std::vector<SampledToken>& tokens,
+                  const std::vector<std::vector<SampledToken>>& runs,
+                  const std::vector<int64_t>& lengths_before, const exl3serve::worker::PagedKvCache& cache) {
+  if (!command.batch_draft.empty()) {
+    std::vector<exl3serve::worker::SequenceTokens> batch(command.batch_seq_ids.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
+    }
+    const absl::Status s = exl3serve::worker::CheckVerifiedRuns(
+        batch, command.batch_sample, command.batch_draft, vocab, runs);
+    if (!s.ok()) {
+      std::fprintf(stderr, "rank_protocol_fuzz: impossible runs: %s\n", s.ToString().c_str());
+      std::abort();
+    }
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const int64_t accepted = runs[i].empty() ? 0 : static_cast<int64_t>(runs[i].size()) - 1;
+      const int64_t want = lengths_before[i] + static_cast<int64_t>(batch[i].tokens.size()) -
+                           command.batch_draft[i] + accepted;
+      if (cache.Length(batch[i].seq_id) != want) {
+        std::fprintf(stderr, "rank_protocol_fuzz: sequence %lld has length %lld, expected %lld\n",
+                     (long long)batch[i].seq_id, (long long)cache.Length(batch[i].seq_id),
+                     (long long)want);
+        std::abort();
+      }
+      reach.accepted_drafts += accepted;
+    }
+    return;
+  }
   if (!command.batch_sample.empty()) {
     if (tokens.size() != command.batch_sample.size()) std::abort();
     for (size_t i = 0; i < tokens.size(); ++i) {
@@ -234,8 +292,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Fixture& f = TheRank();
   FuzzedDataProvider in(data, size);
   std::set<int64_t> touched;
+  std::map<int64_t, int32_t> last_drawn;
   pb::Step built;
-  for (uint64_t i = 0; i < 24 && NextStep(in, f.vocab, i, &built); ++i, built.Clear()) {
+  for (uint64_t i = 0; i < 24 && NextStep(in, f.vocab, i, last_drawn, &built); ++i, built.Clear()) {
     pb::Step step;  // what the rank reads off the wire
     if (!step.ParseFromString(built.SerializeAsString())) std::abort();
     ++reach.steps;
@@ -249,13 +308,28 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     touched.insert(command->batch_seq_ids.begin(), command->batch_seq_ids.end());
     std::vector<float> logits;
     std::vector<SampledToken> tokens;
-    const absl::Status status = rk::ExecuteRankCommand(f.rank, *command, &logits, &tokens);
+    std::vector<std::vector<SampledToken>> runs;
+    std::vector<int64_t> lengths_before;
+    for (int64_t id : command->batch_seq_ids) {
+      lengths_before.push_back(f.rank.cache->HasSequence(id) ? f.rank.cache->Length(id) : 0);
+    }
+    const absl::Status status =
+        rk::ExecuteRankCommand(f.rank, *command, &logits, &tokens, nullptr, &runs);
     if (!status.ok()) {
       ++reach.refused_by_rank;
       CheckRefusal(status);
     } else if (command->op == rk::RankCommand::Op::kForward) {
-      ++(command->batch_sample.empty() ? reach.forwards : reach.sampled_forwards);
-      CheckForward(*command, f.vocab, logits, tokens);
+      ++(!command->batch_draft.empty()  ? reach.verified_forwards
+         : command->batch_sample.empty() ? reach.forwards
+                                         : reach.sampled_forwards);
+      CheckForward(*command, f.vocab, logits, tokens, runs, lengths_before, *f.rank.cache);
+      for (size_t i = 0; i < command->batch_seq_ids.size(); ++i) {
+        if (!runs.empty() && !runs[i].empty()) last_drawn[command->batch_seq_ids[i]] = runs[i].back().id;
+        if (runs.empty() && i < tokens.size() && !command->batch_sample.empty() &&
+            command->batch_sample[i] != 0) {
+          last_drawn[command->batch_seq_ids[i]] = tokens[i].id;
+        }
+      }
     } else {
       ++(command->op == rk::RankCommand::Op::kAddSequence ? reach.added : reach.removed);
     }
