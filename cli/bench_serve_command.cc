@@ -17,6 +17,13 @@
 // table gives per turn: TTFT p50/p99, prompt tokens, and of those the ones
 // the server took from its prefix cache (cached_tokens) and computed.
 //
+// --prompt-ids-file F: the prompts are F's lines (comma-separated token ids,
+// e.g. from `exl3serve tokenize`), request r sending line r mod lines,
+// instead of random ids (--prompt-len is then unused). Speculative decoding:
+// when the server drafts (GetServerInfo speculative_method), the table adds
+// the drafts verified in the run, their acceptance rate and the mean
+// accepted length (1 + accepted / drafts).
+//
 // Inter-token latency: the gap between two chunks of a stream, divided
 // evenly among the chunk's tokens (a server may merge tokens into one chunk
 // for a slow reader).
@@ -26,6 +33,7 @@
 #include <cmath>
 #include <atomic>
 #include <cstdio>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -35,7 +43,9 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "cli/client_credentials.h"
@@ -226,6 +236,30 @@ absl::Status RunChatBench(v1::Generation::Stub& stub, const ChatOptions& o,
   return absl::OkStatus();
 }
 
+// The lines of `path` as token-id prompts (comma-separated, ids < vocab).
+absl::StatusOr<std::vector<std::vector<uint32_t>>> ReadPromptIds(const std::string& path,
+                                                                 int64_t vocab) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("--prompt-ids-file ", path, ": cannot open"));
+  std::vector<std::vector<uint32_t>> prompts;
+  std::string line;
+  for (int number = 1; std::getline(in, line); ++number) {
+    std::vector<uint32_t> ids;
+    for (absl::string_view field : absl::StrSplit(line, ',', absl::SkipWhitespace())) {
+      uint32_t id = 0;
+      if (!absl::SimpleAtoi(field, &id) || id >= vocab) {
+        return absl::InvalidArgumentError(absl::StrCat("--prompt-ids-file ", path, " line ", number,
+                                                       ": '", field, "' is not a token id below ",
+                                                       vocab));
+      }
+      ids.push_back(id);
+    }
+    if (!ids.empty()) prompts.push_back(std::move(ids));
+  }
+  if (prompts.empty()) return absl::InvalidArgumentError(absl::StrCat("--prompt-ids-file ", path, " holds no prompt"));
+  return prompts;
+}
+
 }  // namespace
 
 CommandRunner RegisterBenchServeCommand(CLI::App& app) {
@@ -243,6 +277,7 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     int64_t timeout_s = 600;
     int turns = 0;
     int system_len = 1024;
+    std::string prompt_ids_file;
     ClientCredentialOptions credentials;
   };
   auto args = std::make_shared<Args>();
@@ -268,6 +303,9 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--system-len", args->system_len, "chats: tokens of the shared system prompt")
       ->capture_default_str();
+  app.add_option("--prompt-ids-file", args->prompt_ids_file,
+                 "prompts from this file: one per line, comma-separated token ids (request r "
+                 "sends line r mod lines)");
   return [args]() -> absl::Status {
     const int requests = args->requests > 0 ? args->requests : 4 * args->concurrency;
     EXL3_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel,
@@ -300,13 +338,22 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
                           args->credentials);
     }
     // The prompts, made up front so the clients only measure.
+    std::vector<std::vector<uint32_t>> file_prompts;
+    if (!args->prompt_ids_file.empty()) {
+      EXL3_ASSIGN_OR_RETURN(file_prompts, ReadPromptIds(args->prompt_ids_file, vocab));
+    }
     std::mt19937_64 rng(args->seed);
     std::uniform_int_distribution<int64_t> token(0, vocab - 1);
     std::vector<v1::GenerateRequest> prepared(requests);
     for (int r = 0; r < requests; ++r) {
       v1::GenerateRequest& req = prepared[r];
       req.set_request_id(absl::StrCat("bench-", args->seed, "-", r));
-      for (int i = 0; i < args->prompt_len; ++i) {
+      if (!file_prompts.empty()) {
+        for (uint32_t id : file_prompts[r % file_prompts.size()]) {
+          req.mutable_tokenized()->add_input_ids(id);
+        }
+      }
+      for (int i = 0; file_prompts.empty() && i < args->prompt_len; ++i) {
         req.mutable_tokenized()->add_input_ids(static_cast<uint32_t>(token(rng)));
       }
       req.mutable_sampling_params()->set_max_tokens(args->gen_len);
@@ -350,8 +397,14 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     const uint64_t steps = after.num_steps() - before.num_steps();
     const double step_s = after.step_seconds_total() - before.step_seconds_total();
     const double coord_s = after.coordinator_seconds_total() - before.coordinator_seconds_total();
-    std::printf("bench-serve %s: concurrency %d, prompt %d tokens, gen %d tokens, %d requests\n",
-                args->addr.c_str(), args->concurrency, args->prompt_len, args->gen_len, requests);
+    if (file_prompts.empty()) {
+      std::printf("bench-serve %s: concurrency %d, prompt %d tokens, gen %d tokens, %d requests\n",
+                  args->addr.c_str(), args->concurrency, args->prompt_len, args->gen_len, requests);
+    } else {
+      std::printf("bench-serve %s: concurrency %d, prompts from %s (%zu), gen %d tokens, %d requests\n",
+                  args->addr.c_str(), args->concurrency, args->prompt_ids_file.c_str(),
+                  file_prompts.size(), args->gen_len, requests);
+    }
     std::printf("  %-28s %d / %d%s%s\n", "requests ok", ok, requests,
                 first_error.empty() ? "" : "  first error: ", first_error.c_str());
     std::printf("  %-28s %.2f s\n", "wall time", wall_s);
@@ -377,6 +430,20 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     } else {
       std::printf("  %-28s n/a\n", "engine steps");
       std::printf("  %-28s n/a (the engine does not report step times)\n", "coordinator time / step");
+    }
+    if (!after.speculative_method().empty()) {
+      const uint64_t drafts = after.spec_decode_num_drafts() - before.spec_decode_num_drafts();
+      const uint64_t drafted =
+          after.spec_decode_num_draft_tokens() - before.spec_decode_num_draft_tokens();
+      const uint64_t accepted =
+          after.spec_decode_num_accepted_tokens() - before.spec_decode_num_accepted_tokens();
+      std::printf("  %-28s %s: %llu drafts, %llu tokens, %llu accepted (%.1f %%), mean accepted "
+                  "length %.2f\n",
+                  "speculative decoding", after.speculative_method().c_str(),
+                  static_cast<unsigned long long>(drafts), static_cast<unsigned long long>(drafted),
+                  static_cast<unsigned long long>(accepted),
+                  drafted > 0 ? 100.0 * accepted / drafted : 0.0,
+                  drafts > 0 ? 1.0 + static_cast<double>(accepted) / drafts : 0.0);
     }
     if (ok == 0) return absl::UnavailableError(absl::StrCat("every stream failed: ", first_error));
     return absl::OkStatus();
