@@ -4,7 +4,9 @@
 #   * /metrics of the coordinator (P) and of each rank (P+1, P+2; serve prints
 #     them) passes `promtool check metrics`;
 #   * the counters and histograms moved (generation tokens, finished requests
-#     by reason, TTFT/ITL, per-rank forward time, collective latency);
+#     by reason, TTFT/ITL, per-rank forward time, collective latency; the
+#     server drafts with n-grams, so exl3serve:spec_decode_* count drafts and
+#     accepted tokens for a prompt that repeats itself);
 #   * the ranks spill the token embedding (--spill-embeddings): the spill-store
 #     series (lookups, cache hits, reads, bytes, read latency) moved, and the
 #     answer's tokens equal `generate --tp 2` without spilling;
@@ -70,7 +72,8 @@ PY
 MPORT=$(free_ports 3); [ -n "$MPORT" ] || fail "no 3 consecutive free ports"
 "$BIN" --log-level warning serve --model "$WORK/model" --tp 2 --port 0 --kv-pages 128 \
     --metrics-port "$MPORT" --shutdown-grace-ms 2000 --spill-embeddings --spill-cache-bytes 65536 \
-    --kv-disk-path "$WORK/kv-{rank}.bin" --kv-disk-blocks 32 >"$WORK/serve.log" 2>&1 &
+    --kv-disk-path "$WORK/kv-{rank}.bin" --kv-disk-blocks 32 \
+    --speculative ngram --no-draft-governor >"$WORK/serve.log" 2>&1 &
 SERVER_PID=$!
 ADDR=""
 for _ in $(seq 600); do
@@ -107,6 +110,11 @@ for i in 1 2; do
       >/dev/null 2>"$WORK/client.err" || { cat "$WORK/client.err"; fail "prefix request $i"; }
 done
 
+# Speculative decoding: the test model's greedy output cycles (period 20
+# after this prompt), so n-gram drafts from its own output are accepted.
+"$BIN" client --addr "$ADDR" --prompt-ids 1,42,7,301,1,42,7,301 --max-tokens 64 --ignore-eos --ids \
+    >/dev/null 2>"$WORK/client.err" || { cat "$WORK/client.err"; fail "repetitive request"; }
+
 scrape() { curl -sf --max-time 10 "$1" >"$2" || fail "scrape $1"; }
 scrape "$COORD_URL" "$WORK/coordinator.prom"
 scrape "$RANK0_URL" "$WORK/rank0.prom"
@@ -135,7 +143,14 @@ ge "$(value "$C" 'exl3serve:prompt_tokens_total\{')" $((N * 4)) || fail "prompt_
 ge "$(value "$C" 'exl3serve:request_success_total\{[^}]*finished_reason="length"')" $N ||
   fail "request_success_total{finished_reason=length} < $N"
 ge "$(value "$C" 'exl3serve:time_to_first_token_seconds_count\{')" $N || fail "TTFT count < $N"
-ge "$(value "$C" 'exl3serve:inter_token_latency_seconds_count\{')" $((N * 7)) || fail "ITL count < $((N * 7))"
+# One inter-token latency per step and request: an accepted run is one gap.
+ACCEPTED=$(value "$C" 'exl3serve:spec_decode_num_accepted_tokens_total\{')
+ge "$(awk -v a="$(value "$C" 'exl3serve:inter_token_latency_seconds_count\{')" -v b="$ACCEPTED" 'BEGIN { print a + b }')" \
+  $((N * 7)) || fail "ITL count + accepted drafts < $((N * 7))"
+ge "$(value "$C" 'exl3serve:spec_decode_num_drafts_total\{')" 1 || fail "spec_decode_num_drafts_total < 1"
+ge "$ACCEPTED" 1 || fail "spec_decode_num_accepted_tokens_total < 1"
+ge "$(value "$C" 'exl3serve:spec_decode_num_draft_tokens_total\{')" "$ACCEPTED" || fail "draft tokens < accepted"
+echo "speculative decoding: $(value "$C" 'exl3serve:spec_decode_num_drafts_total\{') drafts, $ACCEPTED tokens accepted"
 ge "$(value "$C" 'exl3serve:e2e_request_latency_seconds_bucket\{[^}]*le="\+Inf"')" $N || fail "e2e +Inf bucket < $N"
 ge "$(value "$C" 'exl3serve:engine_steps_total\{')" 8 || fail "engine_steps_total < 8"
 ge "$(value "$C" 'exl3serve:prefix_cache_queries_total\{')" $((N * 4 + 80)) || fail "prefix_cache_queries_total < $((N * 4 + 80))"
