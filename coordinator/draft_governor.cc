@@ -17,12 +17,21 @@ bool DraftGovernor::AllowDrafts() const {
 
 void DraftGovernor::Observe(const DraftStepCost& step) {
   if (!step.decode_only || step.tokens <= 0 || step.seconds < 0) return;
-  const double per_token = step.seconds / static_cast<double>(step.tokens);
-  std::optional<double>& mean = step.drafts_allowed ? on_ : off_;
-  mean = mean ? options_.alpha * per_token + (1 - options_.alpha) * *mean : per_token;
+  const int mode = step.drafts_allowed ? 1 : 0;
+  period_seconds_[mode] += step.seconds;
+  period_tokens_[mode] += step.tokens;
   ++(step.drafts_allowed ? on_samples_ : off_samples_);
   if (++step_in_period_ < options_.period) return;
   step_in_period_ = 0;
+  for (int m = 0; m < 2; ++m) {
+    if (period_tokens_[m] > 0) {
+      const double per_token = period_seconds_[m] / static_cast<double>(period_tokens_[m]);
+      std::optional<double>& mean = m == 1 ? on_ : off_;
+      mean = mean ? options_.alpha * per_token + (1 - options_.alpha) * *mean : per_token;
+    }
+    period_seconds_[m] = 0;
+    period_tokens_[m] = 0;
+  }
   if (on_samples_ < options_.min_samples || off_samples_ < options_.min_samples) return;
   const bool pays = *on_ < options_.margin * *off_;
   if (pays != choice_) {

@@ -13,15 +13,18 @@
 //
 // Rule: the steps come in periods of `period` (64) decode-only steps; the
 // first `probe` (8) steps of a period run the mode that is not the current
-// choice (a probe), the rest the choice. Each mode keeps an exponential
-// moving average (weight `alpha` 0.25 a step) of seconds per token over its
-// decode-only steps. At the end of every period the choice becomes drafts
-// iff the drafting average is below `margin` (0.97) times the plain one —
-// so drafting that does not pay costs at most the probe share (1/8) of the
-// steps, and drafting that pays keeps ~7/8 of its gain. Until both modes
-// have `min_samples` (4) observations the choice stays "drafts" (the default
-// the operator asked for). Steps with a prefill chunk (decode_only false)
-// are not timed and do not advance the period: their cost is the prompt's.
+// choice (a probe), the rest the choice. A period sums each mode's seconds
+// and tokens (a ratio of sums: drafting pays in bursts — only steps whose
+// sequences have a draft gain anything — so a mean of per-step ratios over
+// a few steps would mostly see the steps between bursts); at its end each
+// mode's seconds per token enters an exponential moving average over periods
+// (weight `alpha` 0.5), and the choice becomes drafts iff the drafting
+// average is below `margin` (0.97) times the plain one — so drafting that
+// does not pay costs at most the probe share (1/8) of the steps, and
+// drafting that pays keeps ~7/8 of its gain. Until both modes have
+// `min_samples` (4) timed steps the choice stays "drafts" (the default the
+// operator asked for). Steps with a prefill chunk (decode_only false) are
+// not timed and do not advance the period: their cost is the prompt's.
 //
 // Thread safety: thread-compatible (the engine's scheduler thread owns it).
 #ifndef EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
@@ -35,7 +38,7 @@ namespace exl3serve::coordinator {
 struct DraftGovernorOptions {
   int period = 64;        // decode-only steps per decision, > probe
   int probe = 8;          // steps of the other mode per period, >= 1
-  double alpha = 0.25;    // EMA weight of a new observation, (0, 1]
+  double alpha = 0.5;     // EMA weight of a new period, (0, 1]
   double margin = 0.97;   // drafting must be this much cheaper per token
   int min_samples = 4;    // observations of each mode before deciding
 };
@@ -58,7 +61,7 @@ class DraftGovernor {
 
   // The current choice (what the non-probe steps of a period run).
   bool choice() const { return choice_; }
-  // Seconds per token of each mode (nullopt before its first observation).
+  // Seconds per token of each mode (nullopt before its first period).
   std::optional<double> drafting_seconds_per_token() const { return on_; }
   std::optional<double> plain_seconds_per_token() const { return off_; }
   // Decisions that turned drafting off / on again (for logs and tests).
@@ -68,7 +71,9 @@ class DraftGovernor {
   const DraftGovernorOptions options_;
   bool choice_ = true;
   int step_in_period_ = 0;
-  std::optional<double> on_, off_;
+  std::optional<double> on_, off_;  // seconds per token, averaged over periods
+  double period_seconds_[2] = {0, 0};  // [plain, drafting] in this period
+  int64_t period_tokens_[2] = {0, 0};
   int on_samples_ = 0, off_samples_ = 0;
   uint64_t switches_ = 0;
 };
