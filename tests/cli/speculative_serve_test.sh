@@ -8,7 +8,8 @@
 #     batch preempts; at TP 2 through a SIGKILL of a rank mid-stream and the
 #     replay on the re-formed group (a pool that holds every stream, so all
 #     are still running when the rank dies),
-#   * for a MoE model at EP 2 (experts split across the ranks),
+#   * for every test architecture: qwen3 (above), llama at TP 2, and the MoE
+#     models qwen3-moe and mixtral at EP 2 (experts split across the ranks),
 #   * on real text (stories260K from ../shared, its tokenizer; unquantized and
 #     EXL3 4 bpw with serve's default int8 decode activations, TP 2): prompts
 #     that quote a paragraph twice, so the model copies it and long runs are
@@ -54,10 +55,18 @@ BIG=(--kv-pages 600 --shutdown-grace-ms 2000)
 SPEC=(--speculative ngram --draft-tokens 6 --no-draft-governor)  # draft whenever possible: coverage
 "$BIN" make-test-model --arch qwen3 --out "$WORK/dense" >/dev/null || fail "make-test-model qwen3"
 "$BIN" make-test-model --arch qwen3-moe --out "$WORK/moe" >/dev/null || fail "make-test-model qwen3-moe"
+for arch in llama mixtral; do
+  "$BIN" make-test-model --arch $arch --out "$WORK/$arch" >/dev/null || fail "make-test-model $arch"
+done
 
-for model in dense moe; do
-  if [ $model = dense ]; then configs=("--tp 1" "--tp 2"); else configs=("--tp 2 --ep 2"); fi
-  for config in "${configs[@]}"; do
+for model in dense moe llama mixtral; do
+  case $model in
+    dense) configs=("--tp 1" "--tp 2") ;;
+    llama) configs=("--tp 2 --no-kill") ;;
+    *) configs=("--tp 2 --ep 2") ;;
+  esac
+  for config_spec in "${configs[@]}"; do
+    config=${config_spec% --no-kill}  # llama: TP 2 without the kill (dense covers it)
     tag0="$model $config"
     # References: the same configuration without drafts, each stream alone.
     # shellcheck disable=SC2086  # config is a word list
@@ -80,7 +89,7 @@ for model in dense moe; do
         fail "$tag: drafted alone"
       py same "$WORK/$model-$mode.json" "$WORK/$model-$mode-spec.json" || fail "$tag: drafted alone != serial"
       victim=0
-      if [ "$config" = "--tp 2" ]; then victim=$(pgrep -P "$SERVER_PID" -f worker | tail -1); fi
+      if [ "$config_spec" = "--tp 2" ]; then victim=$(pgrep -P "$SERVER_PID" -f worker | tail -1); fi
       py "${flag[@]}" streams --refs "$WORK/$model-$mode.json" --kill-pid "$victim" --expect same ||
         fail "$tag: drafted batch of $STREAMS (kill $victim) != serial"
       if [ "$victim" != 0 ]; then
@@ -88,7 +97,7 @@ for model in dense moe; do
           fail "$tag: not ready after the replay"
       fi
     done
-    replays=0; [ "$config" = "--tp 2" ] && replays=1
+    replays=0; [ "$config_spec" = "--tp 2" ] && replays=1
     py info --ready 1 --min-replays $replays --min-preemptions $preemptions --min-drafts 1 --min-accepted 1 ||
       fail "$tag0: drafting did not happen as required"
     serve_stop || fail "serve $tag0 --speculative exited non-zero"
