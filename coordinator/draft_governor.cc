@@ -1,5 +1,7 @@
 #include "coordinator/draft_governor.h"
 
+#include <algorithm>
+
 #include "common/logging.h"
 
 namespace exl3serve::coordinator {
@@ -8,10 +10,11 @@ DraftGovernor::DraftGovernor(const DraftGovernorOptions& options) : options_(opt
   EXL3_CHECK(options_.probe >= 1 && options_.period > options_.probe);
   EXL3_CHECK(options_.alpha > 0 && options_.alpha <= 1);
   EXL3_CHECK(options_.min_samples >= 1);
+  EXL3_CHECK(options_.max_probe_backoff >= 1);
 }
 
 bool DraftGovernor::AllowDrafts() const {
-  const bool probing = step_in_period_ < options_.probe;
+  const bool probing = probe_period_ && step_in_period_ < options_.probe;
   return probing ? !choice_ : choice_;
 }
 
@@ -32,15 +35,29 @@ void DraftGovernor::Observe(const DraftStepCost& step) {
     period_seconds_[m] = 0;
     period_tokens_[m] = 0;
   }
-  if (on_samples_ < options_.min_samples || off_samples_ < options_.min_samples) return;
-  const bool pays = *on_ < options_.margin * *off_;
-  if (pays != choice_) {
-    choice_ = pays;
-    ++switches_;
-    EXL3_LOG(kInfo) << "speculative decoding " << (pays ? "on" : "off") << ": "
-                    << *on_ * 1e3 << " ms per token with drafts, " << *off_ * 1e3
-                    << " ms without";
+  bool switched = false;
+  if (on_samples_ >= options_.min_samples && off_samples_ >= options_.min_samples) {
+    const bool pays = *on_ < options_.margin * *off_;
+    if (pays != choice_) {
+      choice_ = pays;
+      switched = true;
+      ++switches_;
+      EXL3_LOG(kInfo) << "speculative decoding " << (pays ? "on" : "off") << ": "
+                      << *on_ * 1e3 << " ms per token with drafts, " << *off_ * 1e3
+                      << " ms without";
+    }
   }
+  // The next period's probe (see the header: backoff while off).
+  if (choice_ || switched) {
+    backoff_ = 1;
+    skip_ = 0;
+  } else if (probe_period_) {
+    backoff_ = std::min(2 * backoff_, options_.max_probe_backoff);
+    skip_ = backoff_ - 1;
+  } else {
+    --skip_;
+  }
+  probe_period_ = skip_ == 0;
 }
 
 }  // namespace exl3serve::coordinator

@@ -23,8 +23,14 @@
 // does not pay costs at most the probe share (1/8) of the steps, and
 // drafting that pays keeps ~7/8 of its gain. Until both modes have
 // `min_samples` (4) timed steps the choice stays "drafts" (the default the
-// operator asked for). Steps with a prefill chunk (decode_only false) are
-// not timed and do not advance the period: their cost is the prompt's.
+// operator asked for). While drafting stays off, its probes back off: after
+// each period that confirms "off" the next probe comes twice as many periods
+// later, up to every `max_probe_backoff` (16) periods — a probe of a draft
+// model costs its catch-up and k forwards per sequence, so a probe every
+// period would cost ~1/8 of the plain speed where drafting never pays. Any
+// switch, and every period while drafting is on, probes the next period.
+// Steps with a prefill chunk (decode_only false) are not timed and do not
+// advance the period: their cost is the prompt's.
 //
 // Thread safety: thread-compatible (the engine's scheduler thread owns it).
 #ifndef EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
@@ -41,6 +47,7 @@ struct DraftGovernorOptions {
   double alpha = 0.5;     // EMA weight of a new period, (0, 1]
   double margin = 0.97;   // drafting must be this much cheaper per token
   int min_samples = 4;    // observations of each mode before deciding
+  int max_probe_backoff = 16;  // periods between probes while off, at most (>= 1)
 };
 
 struct DraftStepCost {
@@ -76,6 +83,9 @@ class DraftGovernor {
   int64_t period_tokens_[2] = {0, 0};
   int on_samples_ = 0, off_samples_ = 0;
   uint64_t switches_ = 0;
+  bool probe_period_ = true;  // this period starts with a probe
+  int backoff_ = 1;           // periods from one probe of drafting to the next
+  int skip_ = 0;              // periods left without a probe
 };
 
 }  // namespace exl3serve::coordinator
