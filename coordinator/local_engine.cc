@@ -95,23 +95,6 @@ std::vector<v1::RankInfo> LocalRankInfos(const std::vector<worker::rank::LocalRa
 
 }  // namespace
 
-absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name) {
-  if (name == "none") return SpeculativeMethod::kNone;
-  if (name == "ngram") return SpeculativeMethod::kNgram;
-  if (name == "draft") return SpeculativeMethod::kDraftModel;
-  return absl::InvalidArgumentError(
-      absl::StrCat("speculative method '", std::string(name), "': expected none, ngram or draft"));
-}
-
-const char* SpeculativeMethodName(SpeculativeMethod method) {
-  switch (method) {
-    case SpeculativeMethod::kNone: return "none";
-    case SpeculativeMethod::kNgram: return "ngram";
-    case SpeculativeMethod::kDraftModel: return "draft";
-  }
-  return "none";
-}
-
 LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                          std::unique_ptr<worker::StepExecutor> executor,
                          std::unique_ptr<DraftModel> draft_model)

@@ -67,6 +67,7 @@
 #include "coordinator/engine_observer.h"
 #include "coordinator/ngram_drafter.h"
 #include "coordinator/scheduler.h"
+#include "coordinator/speculative_method.h"
 #include "coordinator/stop_strings.h"
 #include "coordinator/tokenizer/stream_decoder.h"
 #include "coordinator/tokenizer/tokenizer.h"
@@ -77,22 +78,6 @@
 
 namespace exl3serve::coordinator {
 
-// Where speculative decoding's draft tokens come from.
-enum class SpeculativeMethod {
-  kNone,
-  kNgram,       // prompt lookup over the sequence's own tokens (ngram_drafter.h)
-  kDraftModel,  // a smaller model with the same tokenizer (draft_model.h)
-};
-// "none" / "ngram" / "draft" (the --speculative spellings); InvalidArgument
-// otherwise, naming the accepted values.
-absl::StatusOr<SpeculativeMethod> ParseSpeculativeMethod(std::string_view name);
-const char* SpeculativeMethodName(SpeculativeMethod method);
-
-// Draft tokens per sequence per step at most: a drafting entry of 1 + k
-// tokens stays under the ranks' prefill-precision row count (17,
-// worker/model/linear.h kPrefillMinRows), so it runs at the precision its
-// serial decode runs at.
-inline constexpr int kMaxDraftTokens = 15;
 
 struct EngineOptions {
   // --- Behaviour ---

@@ -42,6 +42,24 @@ TEST(ClusterConfigTest, TheDeployExampleIsAccepted) {
   EXPECT_EQ(config->group.world_size, 2);
 }
 
+TEST(ClusterConfigTest, SpeculativeDecodingKeysAreReadAndChecked) {
+  const std::string base = "model_dir: /m\nworld_size: 2\n";
+  absl::StatusOr<YAML::Node> root = ParseClusterYaml(
+      base + "engine: {speculative: draft, draft_model: /d, draft_tokens: 5, draft_token_budget: 40}\n",
+      "test.yaml");
+  ASSERT_TRUE(root.ok()) << root.status();
+  absl::StatusOr<CoordinatorConfig> config = ReadCoordinatorConfig(*root);
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_EQ(config->engine.speculative, coordinator::SpeculativeMethod::kDraftModel);
+  EXPECT_EQ(config->engine.draft_model_dir, "/d");
+  EXPECT_EQ(config->engine.draft_tokens, 5);
+  EXPECT_EQ(config->engine.draft_token_budget, 40);
+  ExpectRefused(ReadConfig(base + "engine: {speculative: medusa}\n"), "engine.speculative");
+  ExpectRefused(ReadConfig(base + "engine: {speculative: ngram, draft_tokens: 16}\n"),
+                "engine.draft_tokens");
+  ExpectRefused(ReadConfig(base + "engine: {draft_token_budget: 0}\n"), "engine.draft_token_budget");
+}
+
 TEST(ClusterConfigTest, AKeyThatIsNotAStringIsAnErrorNotACrash) {
   // yaml-cpp's as<std::string>() throws on a non-scalar key; it used to escape.
   ExpectRefused(ReadConfig("model_dir: m\nworld_size: 1\n? [a, b]\n: 1\n"), "not a string");

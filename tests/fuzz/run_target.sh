@@ -195,7 +195,8 @@ PY
     [[ -f $gen/exl3serve/v1/generation.pb.h ]] ||
       { echo "run_target.sh: no generated protobuf code in $gen (build first)" >&2; exit 2; }
     sources=("$src/cli/cluster_keys.cc" "$src/cli/coordinator_config.cc" "$src/cli/launch_plan.cc"
-             "$src/coordinator/listen_policy.cc" "$src/worker/rank/capacities.cc"
+             "$src/coordinator/listen_policy.cc" "$src/coordinator/speculative_method.cc"
+             "$src/worker/rank/capacities.cc"
              "$src/worker/api/step_executor.cc" "$src/common/status_macros.cc" "$src/common/logging.cc")
     extra_flags=(-I"$gen")
     pkgs=(yaml-cpp protobuf absl_status absl_statusor absl_strings absl_str_format absl_time absl_synchronization)
