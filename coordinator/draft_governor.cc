@@ -8,13 +8,15 @@ namespace exl3serve::coordinator {
 
 DraftGovernor::DraftGovernor(const DraftGovernorOptions& options) : options_(options) {
   EXL3_CHECK(options_.probe >= 1 && options_.period > options_.probe);
+  EXL3_CHECK(options_.probe_drafting >= 1 && options_.period > options_.probe_drafting);
   EXL3_CHECK(options_.alpha > 0 && options_.alpha <= 1);
   EXL3_CHECK(options_.min_samples >= 1);
   EXL3_CHECK(options_.max_probe_backoff >= 1);
 }
 
 bool DraftGovernor::AllowDrafts() const {
-  const bool probing = probe_period_ && step_in_period_ < options_.probe;
+  const bool probing =
+      probe_period_ && step_in_period_ < (choice_ ? options_.probe : options_.probe_drafting);
   return probing ? !choice_ : choice_;
 }
 

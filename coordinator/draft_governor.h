@@ -12,8 +12,10 @@
 //   governor.Observe({.drafts_allowed = draft, .decode_only = ..., .seconds = t, .tokens = n});
 //
 // Rule: the steps come in periods of `period` (64) decode-only steps; the
-// first `probe` (8) steps of a period run the mode that is not the current
-// choice (a probe), the rest the choice. A period sums each mode's seconds
+// first steps of a period run the mode that is not the current choice (a
+// probe: `probe` (8) plain steps while drafting is on, `probe_drafting`
+// (32) drafting steps while it is off — drafting's gain is bursty, so a
+// short probe of it would mostly miss it), the rest the choice. A period sums each mode's seconds
 // and tokens (a ratio of sums: drafting pays in bursts — only steps whose
 // sequences have a draft gain anything — so a mean of per-step ratios over
 // a few steps would mostly see the steps between bursts); at its end each
@@ -42,8 +44,9 @@
 namespace exl3serve::coordinator {
 
 struct DraftGovernorOptions {
-  int period = 64;        // decode-only steps per decision, > probe
-  int probe = 8;          // steps of the other mode per period, >= 1
+  int period = 64;        // decode-only steps per decision, > both probes
+  int probe = 8;           // plain steps per period while drafting is on, >= 1
+  int probe_drafting = 32;  // drafting steps per probe while it is off, >= 1
   double alpha = 0.5;     // EMA weight of a new period, (0, 1]
   double margin = 0.97;   // drafting must be this much cheaper per token
   int min_samples = 4;    // observations of each mode before deciding

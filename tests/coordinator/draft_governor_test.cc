@@ -45,8 +45,8 @@ TEST(DraftGovernorTest, KeepsDraftsThatPayAndDropsThoseThatDoNot) {
   RunSteps(g, 128, 2e-3, 1e-3, rng);
   EXPECT_FALSE(g.choice());
   const int probed = RunSteps(g, 64 * 64, 2e-3, 1e-3, rng);
-  EXPECT_GE(probed, 5 * 8);
-  EXPECT_LE(probed, 8 * 8);  // vs 64 * 8 with a probe every period
+  EXPECT_GE(probed, 5 * 32);  // probes of drafting are 32 steps
+  EXPECT_LE(probed, 8 * 32);  // vs 64 * 32 with a probe every period
   // And back on when drafting pays again (by the second probe at the latest).
   RunSteps(g, 64 * 33, 0.4e-3, 1e-3, rng);
   EXPECT_TRUE(g.choice());
