@@ -33,14 +33,30 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
-  app.add_option("--arch", args->model.arch, "llama | qwen3 | qwen3-moe | mixtral")
+  app.add_option("--arch", args->model.arch,
+                 "llama | qwen3 | qwen3-moe | mixtral | glm4-moe (glm4-moe starts from its own "
+                 "odd-sized shape, sharding::Glm4MoeTestDefaults; shape options given win)")
       ->capture_default_str();
   AddModelOptions(app, &args->model);
   app.add_flag("--tie-embeddings", args->model.tie_word_embeddings);
   app.add_flag("--peaked-logits", args->model.peaked_logits,
                "large logit margins: greedy decoding is deterministic under batching and "
                "quantization (ignored with --tie-embeddings)");
-  return [args]() -> absl::Status {
+  return [args, &app]() -> absl::Status {
+    if (args->model.arch == "glm4-moe") {
+      sharding::TestModelOptions glm = sharding::Glm4MoeTestDefaults();
+      const sharding::TestModelOptions& given = args->model;
+      if (app.count("--layers") > 0) glm.num_layers = given.num_layers;
+      if (app.count("--hidden") > 0) glm.hidden_size = given.hidden_size;
+      if (app.count("--intermediate") > 0) glm.intermediate_size = given.intermediate_size;
+      if (app.count("--vocab") > 0) glm.vocab_size = given.vocab_size;
+      if (app.count("--experts") > 0) glm.num_experts = given.num_experts;
+      glm.seed = given.seed;
+      glm.num_shards = given.num_shards;
+      glm.tie_word_embeddings = given.tie_word_embeddings;
+      glm.peaked_logits = given.peaked_logits;
+      args->model = glm;
+    }
     absl::Status status = sharding::WriteTestModel(args->out, args->model);
     if (status.ok()) std::printf("wrote %s (%s)\n", args->out.c_str(), args->model.arch.c_str());
     return status;

@@ -306,12 +306,22 @@ absl::Status RmsNorm(const float* x, int64_t rows, int64_t dim, const float* wei
 
 absl::Status ApplyRope(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
                        const int64_t* positions, const double* inv_freq) {
+  return ApplyPartialRope(x, tokens, heads, head_dim, head_dim, positions, inv_freq);
+}
+
+absl::Status ApplyPartialRope(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                              int64_t rotary_dim, const int64_t* positions,
+                              const double* inv_freq) {
   if (absl::Status s = internal::ValidateRope(x, tokens, heads, head_dim, positions, inv_freq);
       !s.ok()) {
     return s;
   }
+  if (rotary_dim <= 0 || rotary_dim % 2 != 0 || rotary_dim > head_dim) {
+    return Bad(absl::StrCat("rope: rotary_dim must be even and in (0, head_dim ",
+                                      head_dim, "], got ", rotary_dim));
+  }
   if (tokens == 0 || heads == 0) return absl::OkStatus();
-  const int64_t half = head_dim / 2;
+  const int64_t half = rotary_dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = x + t * heads * head_dim;
     for (int64_t i = 0; i < half; ++i) {

@@ -52,6 +52,16 @@ absl::Status RmsNorm(const float* x, int64_t rows, int64_t dim, const float* wei
 absl::Status ApplyRope(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
                        const int64_t* positions, const double* inv_freq);
 
+// Partial RoPE (GLM-4 MoE's partial_rotary_factor): as ApplyRope on the first
+// rotary_dim dims of every head only — pairs (i, i + rotary_dim/2) for
+// i < rotary_dim/2 with inv_freq [rotary_dim/2]; dims [rotary_dim, head_dim)
+// are left as they are. ApplyRope is the case rotary_dim == head_dim (same
+// arithmetic, bit for bit). Errors: those of ApplyRope, and InvalidArgument
+// for a rotary_dim that is odd, <= 0 or > head_dim.
+absl::Status ApplyPartialRope(float* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                              int64_t rotary_dim, const int64_t* positions,
+                              const double* inv_freq);
+
 // ---------------------------------------------------------------------------
 // Attention over a paged K/V pool.
 //

@@ -563,6 +563,7 @@ absl::Status Converter::Compile(ConvertReport* report) {
 
   // Plain tensors by layer (-1: before the layers, num_layers: after).
   std::map<int, std::vector<std::string>> plain_by_layer;
+  int skipped_mtp = 0;
   for (const std::string& name : src_.ckpt->TensorNames()) {
     if (linear_tensors.count(name)) continue;
     int layer = src_.arch.num_layers;
@@ -570,10 +571,20 @@ absl::Status Converter::Compile(ConvertReport* report) {
       layer = -1;
     } else if (absl::StartsWith(name, "model.layers.")) {
       layer = std::atoi(name.c_str() + std::strlen("model.layers."));
+      // Layers past num_hidden_layers are next-token-prediction (MTP) layers
+      // (GLM-4 MoE): never built, so not written (architectures.md §1.3).
+      if (layer >= src_.arch.num_layers) {
+        ++skipped_mtp;
+        continue;
+      }
     }
     plain_by_layer[layer].push_back(name);
   }
 
+  if (skipped_mtp > 0) {
+    EXL3_LOG(kInfo) << "convert: not writing " << skipped_mtp << " tensor(s) of layers >= "
+                    << src_.arch.num_layers << " (next-token-prediction layers)";
+  }
   // Work files stay open (mapped) while the shards are written.
   std::map<std::string, std::unique_ptr<SafetensorsFile>> work_files;
   std::vector<CompileUnit> units;

@@ -25,6 +25,14 @@ std::string FormatModelSummary(const Exl3Model& model) {
                                                               a.num_experts,
                                                               a.num_experts_per_token)
                                             : std::string());
+    if (a.shared_expert_intermediate_size > 0 || a.num_mtp_layers > 0) {
+      int dense = 0;
+      for (bool moe : a.layer_is_moe) dense += moe ? 0 : 1;
+      absl::StrAppendFormat(&out,
+                            "moe layers: %d dense first, shared expert width %d; %d MTP layer(s) "
+                            "not built\n",
+                            dense, a.shared_expert_intermediate_size, a.num_mtp_layers);
+    }
   }
   if (qc.present) {
     absl::StrAppendFormat(&out,

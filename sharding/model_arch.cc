@@ -10,7 +10,7 @@
 namespace exl3serve::sharding {
 namespace {
 
-enum class Family { kDense, kMixtral, kQwen3Moe };
+enum class Family { kDense, kMixtral, kQwen3Moe, kGlm4Moe };
 
 struct ArchEntry {
   std::string_view name;
@@ -21,6 +21,7 @@ constexpr ArchEntry kSupported[] = {
     {"LlamaForCausalLM", Family::kDense},    {"MistralForCausalLM", Family::kDense},
     {"Qwen2ForCausalLM", Family::kDense},    {"Qwen3ForCausalLM", Family::kDense},
     {"MixtralForCausalLM", Family::kMixtral}, {"Qwen3MoeForCausalLM", Family::kQwen3Moe},
+    {"Glm4MoeForCausalLM", Family::kGlm4Moe},
 };
 
 absl::StatusOr<int64_t> RequiredInt(const nlohmann::json& config, const char* key) {
@@ -151,6 +152,7 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
 
   std::set<int64_t> mlp_only_layers;
   int64_t sparse_step = 1;
+  int64_t first_k_dense = 0;  // GLM-4 MoE: layers [0, first_k_dense) are dense
   if (entry->family == Family::kMixtral) {
     if (auto s = read("intermediate_size", &arch.moe_intermediate_size); !s.ok()) return s;
     int64_t experts = 0, top_k = 0;
@@ -177,6 +179,41 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
         if (v.is_number_integer()) mlp_only_layers.insert(v.get<int64_t>());
       }
     }
+  } else if (entry->family == Family::kGlm4Moe) {
+    // architectures.md §1.1: every routing key is read, none defaulted (the
+    // defaults of exllamav3 and transformers differ from published configs).
+    if (auto s = read("intermediate_size", &arch.intermediate_size); !s.ok()) return s;
+    if (auto s = read("moe_intermediate_size", &arch.moe_intermediate_size); !s.ok()) return s;
+    int64_t experts = 0, top_k = 0;
+    if (auto s = read("n_routed_experts", &experts); !s.ok()) return s;
+    if (auto s = read("num_experts_per_tok", &top_k); !s.ok()) return s;
+    if (experts > kMaxConfigExperts) return OverLimit("n_routed_experts", experts, "kMaxConfigExperts", kMaxConfigExperts);
+    if (top_k > experts) top_k = experts + 1;  // refused below, without truncation
+    arch.num_experts = static_cast<int>(experts);
+    arch.num_experts_per_token = static_cast<int>(top_k);
+    const int64_t dense = OptionalInt(config, "first_k_dense_replace", -1);
+    if (dense < 0 || !config.contains("first_k_dense_replace")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `first_k_dense_replace` must be an integer >= 0, ",
+          config.contains("first_k_dense_replace") ? "got " + config["first_k_dense_replace"].dump()
+                                                   : std::string("it is missing")));
+    }
+    first_k_dense = std::min(dense, layers);
+    const int64_t shared = OptionalInt(config, "n_shared_experts", -1);
+    if (shared < 0 || shared > kMaxConfigExperts) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `n_shared_experts` must be an integer in [0, ", kMaxConfigExperts, "], ",
+          config.contains("n_shared_experts") ? "got " + config["n_shared_experts"].dump()
+                                              : std::string("it is missing")));
+    }
+    arch.shared_expert_intermediate_size = shared * arch.moe_intermediate_size;
+    const int64_t mtp = OptionalInt(config, "num_nextn_predict_layers", 0);
+    if (mtp < 0 || mtp > kMaxConfigLayers) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `num_nextn_predict_layers` must be in [0, ", kMaxConfigLayers, "], got ",
+          mtp));
+    }
+    arch.num_mtp_layers = static_cast<int>(mtp);
   } else {
     if (auto s = read("intermediate_size", &arch.intermediate_size); !s.ok()) return s;
   }
@@ -194,6 +231,7 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
                          Bound{"head_dim", arch.head_dim, "kMaxConfigWidth", kMaxConfigWidth},
                          Bound{"intermediate_size", arch.intermediate_size, "kMaxConfigWidth", kMaxConfigWidth},
                          Bound{"moe_intermediate_size", arch.moe_intermediate_size, "kMaxConfigWidth", kMaxConfigWidth},
+                         Bound{"n_shared_experts x moe_intermediate_size", arch.shared_expert_intermediate_size, "kMaxConfigWidth", kMaxConfigWidth},
                          Bound{"num_experts", arch.num_experts, "kMaxConfigExperts", kMaxConfigExperts}}) {
     if (b.value > b.max) return OverLimit(b.key, b.value, b.limit, b.max);
   }
@@ -240,10 +278,13 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
       moe = true;
     } else if (entry->family == Family::kQwen3Moe) {
       moe = mlp_only_layers.count(l) == 0 && (l + 1) % sparse_step == 0;
+    } else if (entry->family == Family::kGlm4Moe) {
+      moe = l >= first_k_dense;
     }
     arch.layer_is_moe[l] = moe;
     if (!moe) {
-      if (entry->family == Family::kQwen3Moe && arch.intermediate_size <= 0) {
+      if ((entry->family == Family::kQwen3Moe || entry->family == Family::kGlm4Moe) &&
+          arch.intermediate_size <= 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "config.json: layer ", l, " is a dense MLP layer but `intermediate_size` is missing"));
       }
@@ -272,6 +313,18 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
           moe_block);
       add(ex + (mixtral ? ".w2" : ".down_proj"), l, e, LinearRole::kDown, inter, hidden, qgroup,
           1, moe_block);
+    }
+    if (arch.shared_expert_intermediate_size > 0) {
+      // GLM-4 MoE: exllamav3 gives the shared expert at least base+2 bits
+      // (architectures.md §1.3), like attention: its own groups, priority 2.
+      const std::string sh = moe_block + ".shared_experts";
+      const int64_t width = arch.shared_expert_intermediate_size;
+      add(sh + ".gate_proj", l, kSharedExpert, LinearRole::kGate, hidden, width, sh + ".gate_up", 2,
+          moe_block);
+      add(sh + ".up_proj", l, kSharedExpert, LinearRole::kUp, hidden, width, sh + ".gate_up", 2,
+          moe_block);
+      add(sh + ".down_proj", l, kSharedExpert, LinearRole::kDown, width, hidden, sh + ".down", 2,
+          moe_block);
     }
   }
   add("lm_head", -1, -1, LinearRole::kHead, hidden, arch.vocab_size, "lm_head", 0, "lm_head");

@@ -5,7 +5,8 @@
 // which allocation group), the loader to query a model by (layer, role), and
 // the shard planner (later) to split them. Supported architectures: the ones
 // the runtime serves — LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-// Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM.
+// Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM and
+// Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, GLM-4.5-Air: architectures.md §1).
 //
 //   EXL3_ASSIGN_OR_RETURN(ModelArch arch, ModelArchFromConfig(config_json));
 //   for (const LinearSpec& l : arch.linears) { ... l.key, l.in_features ... }
@@ -29,10 +30,17 @@ enum class LinearRole { kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead };
 
 const char* LinearRoleName(LinearRole role);
 
+// LinearSpec::expert of a shared expert's projections (GLM-4 MoE
+// `mlp.shared_experts.{gate,up,down}_proj`, roles kGate/kUp/kDown): one
+// SwiGLU MLP of width ModelArch::shared_expert_intermediate_size that every
+// token of an MoE layer runs besides its routed experts. -1 stays "not an
+// expert" (attention, dense MLP, router, head).
+inline constexpr int kSharedExpert = -2;
+
 struct LinearSpec {
   std::string key;           // module key = weight name without ".weight"
   int layer = -1;            // decoder layer; -1 for the head
-  int expert = -1;           // expert index for MoE expert projections, else -1
+  int expert = -1;           // routed expert index, kSharedExpert, else -1
   LinearRole role = LinearRole::kQ;
   int64_t in_features = 0;   // unpadded
   int64_t out_features = 0;  // unpadded
@@ -57,6 +65,12 @@ struct ModelArch {
   int64_t head_dim = 0;
   int num_experts = 0;           // 0 for dense models
   int num_experts_per_token = 0;
+  // GLM-4 MoE: width of the shared expert MLP of every MoE layer
+  // (n_shared_experts x moe_intermediate_size); 0 = no shared expert.
+  int64_t shared_expert_intermediate_size = 0;
+  // Next-token-prediction (MTP) layers stored after the last decoder layer
+  // (`num_nextn_predict_layers`, GLM-4 MoE): counted, never built or converted.
+  int num_mtp_layers = 0;
   bool tie_word_embeddings = false;
   std::vector<bool> layer_is_moe;       // per layer
   std::vector<LinearSpec> linears;      // layer order, head last

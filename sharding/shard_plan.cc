@@ -218,6 +218,14 @@ double OtherBytesEstimate(const ModelArch& arch) {
   if (arch.architecture.rfind("Qwen3", 0) == 0) {
     bytes += 2.0 * 2.0 * static_cast<double>(arch.num_layers) * static_cast<double>(arch.head_dim);
   }
+  if (arch.architecture == "Glm4MoeForCausalLM") {
+    // q/k norms, q/k/v biases (fp16) and each MoE layer's fp32 correction bias.
+    const double layers = static_cast<double>(arch.num_layers);
+    const double qkv = static_cast<double>((arch.num_attention_heads + 2 * arch.num_key_value_heads) *
+                                           arch.head_dim);
+    bytes += 2.0 * layers * (2.0 * static_cast<double>(arch.head_dim) + qkv);
+    for (bool moe : arch.layer_is_moe) bytes += moe ? 4.0 * arch.num_experts : 0.0;
+  }
   return bytes;
 }
 
@@ -282,7 +290,10 @@ void EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& pla
         case LinearRole::kGate:
         case LinearRole::kUp:
         case LinearRole::kDown:
-          if (spec.expert < 0) {
+          if (spec.expert == kSharedExpert) {
+            bytes += full * Fraction(layer.mlp_channels.size(),
+                                     arch.shared_expert_intermediate_size);
+          } else if (spec.expert < 0) {
             bytes += full * Fraction(layer.mlp_channels.size(), arch.intermediate_size);
           } else if (spec.expert >= layer.experts.begin && spec.expert < layer.experts.end) {
             bytes += full * Fraction(layer.expert_channels.size(), arch.moe_intermediate_size);
@@ -375,6 +386,13 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
     mlp = SplitProportional(arch.intermediate_size, kChannelGroup, capacity);
     down_bias_rank = FirstNonEmpty(mlp, 0, mlp.size());
   }
+  // GLM-4 MoE: the shared expert of every MoE layer, split as a dense MLP.
+  std::vector<IndexRange> shared(world_size);
+  int shared_bias_rank = -1;
+  if (arch.shared_expert_intermediate_size > 0) {
+    shared = SplitProportional(arch.shared_expert_intermediate_size, kChannelGroup, capacity);
+    shared_bias_rank = FirstNonEmpty(shared, 0, shared.size());
+  }
 
   // MoE: experts over groups of consecutive ranks, channels inside a group.
   std::vector<IndexRange> experts(world_size), expert_channels(world_size);
@@ -426,6 +444,8 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
         layer.experts = experts[r];
         layer.expert_channels = expert_channels[r];
         layer.expert_down_bias = expert_bias[r];
+        layer.mlp_channels = shared[r];
+        layer.down_bias = r == shared_bias_rank;
       } else {
         layer.mlp_channels = mlp[r];
         layer.down_bias = r == down_bias_rank;

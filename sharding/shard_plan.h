@@ -22,7 +22,9 @@
 //   * Dense MLP: the intermediate dimension in 128-channel units (the last
 //     unit is partial when the width is not a multiple of 128); gate/up
 //     column-parallel, down row-parallel (bias on the first rank with
-//     channels only). Dense layers of an MoE model are split the same way.
+//     channels only). Dense layers of an MoE model are split the same way,
+//     and so is the shared expert of an MoE layer (GLM-4 MoE; its width is
+//     ModelArch::shared_expert_intermediate_size), over every rank.
 //   * MoE: experts in contiguous ranges over `expert_parallel` groups of
 //     ranks; inside a group every expert's intermediate dimension is split in
 //     128-channel units over the group's ranks (ep == world size: whole
@@ -99,8 +101,9 @@ struct LayerShard {
   IndexRange q_heads;         // query heads this rank computes
   IndexRange kv_heads;        // KV heads it holds (may overlap other ranks' when replicated)
   bool o_bias = false;        // this rank adds o_proj's bias (exactly one rank per layer)
-  IndexRange mlp_channels;    // dense MLP intermediate channels (empty in MoE layers)
-  bool down_bias = false;     // this rank adds down_proj's bias (exactly one rank per dense layer)
+  IndexRange mlp_channels;    // dense MLP intermediate channels; in MoE layers the shared
+                              // expert's (empty without one)
+  bool down_bias = false;     // this rank adds (shared) down_proj's bias (one rank per layer)
   IndexRange experts;         // MoE: experts held (whole or the channel slice below)
   IndexRange expert_channels; // MoE: intermediate channels of each held expert
                               // (empty when `experts` is)

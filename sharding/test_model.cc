@@ -103,7 +103,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
       {"num_hidden_layers", o.num_layers},
       {"num_attention_heads", o.num_attention_heads},
       {"num_key_value_heads", o.num_key_value_heads},
-      {"head_dim", o.hidden_size / o.num_attention_heads},
+      {"head_dim", o.head_dim > 0 ? o.head_dim : o.hidden_size / o.num_attention_heads},
       {"vocab_size", o.vocab_size},
       {"rms_norm_eps", 1e-6},
       {"rope_theta", 10000.0},
@@ -139,9 +139,27 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     config["intermediate_size"] = o.moe_intermediate_size;
     config["num_local_experts"] = o.num_experts;
     config["num_experts_per_tok"] = o.num_experts_per_token;
+  } else if (o.arch == "glm4-moe") {
+    config["architectures"] = {"Glm4MoeForCausalLM"};
+    config["model_type"] = "glm4_moe";
+    config["intermediate_size"] = o.intermediate_size;
+    config["moe_intermediate_size"] = o.moe_intermediate_size;
+    config["n_routed_experts"] = o.num_experts;
+    config["num_experts_per_tok"] = o.num_experts_per_token;
+    config["n_shared_experts"] = o.n_shared_experts;
+    config["first_k_dense_replace"] = o.first_k_dense_replace;
+    config["n_group"] = o.n_group;
+    config["topk_group"] = o.topk_group;
+    config["norm_topk_prob"] = true;
+    config["routed_scaling_factor"] = o.routed_scaling_factor;
+    config["partial_rotary_factor"] = o.partial_rotary_factor;
+    config["attention_bias"] = true;
+    config["use_qk_norm"] = o.use_qk_norm;
+    config["num_nextn_predict_layers"] = o.num_mtp_layers;
+    config["rms_norm_eps"] = 1e-5;
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--arch must be llama, qwen3, qwen3-moe or mixtral, got `", o.arch, "`"));
+        "--arch must be llama, qwen3, qwen3-moe, mixtral or glm4-moe, got `", o.arch, "`"));
   }
   for (size_t i = 0; i < o.peaked_targets.size(); ++i) {
     const int32_t t = o.peaked_targets[i];
@@ -175,7 +193,16 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
   }
   tensors.push_back(TensorFromHalfBits("model.embed_tokens.weight", DType::kBF16,
                                        {o.vocab_size, hidden}, embed));
-  const bool qwen3 = o.arch == "qwen3" || o.arch == "qwen3-moe";
+  const bool glm = o.arch == "glm4-moe";
+  const bool qk_norm = o.arch == "qwen3" || o.arch == "qwen3-moe" || (glm && o.use_qk_norm);
+  // GLM: biases of a visible size (q/k/v) and the router's correction bias,
+  // of the size of the sigmoid scores' spread, so it changes the choice.
+  auto random_vector = [&](int64_t n, float scale) {
+    std::normal_distribution<float> normal(0.0f, scale);
+    std::vector<uint16_t> bits(n);
+    for (auto& b : bits) b = FloatToBf16Bits(normal(rng));
+    return bits;
+  };
   for (const LinearSpec& l : arch.linears) {
     if (l.is_head && o.tie_word_embeddings) continue;
     if (l.layer >= 0 && l.role == LinearRole::kQ) {
@@ -184,7 +211,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                            {hidden}, RandomNorm(rng, hidden)));
       tensors.push_back(TensorFromHalfBits(layer + ".post_attention_layernorm.weight",
                                            DType::kBF16, {hidden}, RandomNorm(rng, hidden)));
-      if (qwen3) {
+      if (qk_norm) {
         const int64_t hd = arch.head_dim;
         tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_norm.weight", DType::kBF16,
                                              {hd}, RandomNorm(rng, hd)));
@@ -212,6 +239,38 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     }
     tensors.push_back(TensorFromHalfBits(l.key + ".weight", DType::kBF16,
                                          {l.out_features, l.in_features}, std::move(weight)));
+    if (glm && (l.role == LinearRole::kQ || l.role == LinearRole::kK ||
+                l.role == LinearRole::kV)) {
+      tensors.push_back(TensorFromHalfBits(l.key + ".bias", DType::kBF16, {l.out_features},
+                                           random_vector(l.out_features, 0.5f)));
+    }
+    if (glm && l.role == LinearRole::kRouter) {
+      std::normal_distribution<float> normal(0.0f, 0.1f);
+      std::vector<float> bias(l.out_features);
+      for (float& b : bias) b = normal(rng);
+      tensors.push_back(TensorFromFloats(l.key + ".e_score_correction_bias", {l.out_features},
+                                         std::move(bias)));
+    }
+  }
+  if (glm) {
+    // MTP layers: stored after the last layer, never built (a subset of
+    // their tensors is enough to show they are skipped).
+    for (int m = 0; m < o.num_mtp_layers; ++m) {
+      const std::string layer = absl::StrCat("model.layers.", o.num_layers + m);
+      for (const char* norm : {".enorm.weight", ".hnorm.weight", ".shared_head.norm.weight",
+                               ".input_layernorm.weight"}) {
+        tensors.push_back(TensorFromHalfBits(layer + norm, DType::kBF16, {hidden},
+                                             RandomNorm(rng, hidden)));
+      }
+      tensors.push_back(TensorFromHalfBits(layer + ".eh_proj.weight", DType::kBF16,
+                                           {hidden, 2 * hidden},
+                                           RandomLinear(rng, hidden, 2 * hidden)));
+      const int64_t q_out = arch.num_attention_heads * arch.head_dim;
+      tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_proj.weight", DType::kBF16,
+                                           {q_out, hidden}, RandomLinear(rng, q_out, hidden)));
+      tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_proj.bias", DType::kBF16,
+                                           {q_out}, random_vector(q_out, 0.5f)));
+    }
   }
   tensors.push_back(TensorFromHalfBits("model.norm.weight", DType::kBF16, {hidden},
                                        RandomNorm(rng, hidden)));
@@ -242,6 +301,29 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     generation["eos_token_id"] = o.eos_token_ids;
   }
   return WriteFileAtomically(dir + "/generation_config.json", generation.dump(2));
+}
+
+TestModelOptions Glm4MoeTestDefaults() {
+  TestModelOptions o;
+  o.arch = "glm4-moe";
+  o.num_layers = 3;
+  o.hidden_size = 200;
+  o.intermediate_size = 300;
+  o.moe_intermediate_size = 160;
+  o.num_experts = 12;
+  o.num_experts_per_token = 4;
+  o.num_attention_heads = 6;
+  o.num_key_value_heads = 2;
+  o.head_dim = 48;
+  o.partial_rotary_factor = 0.5;
+  o.use_qk_norm = true;
+  o.n_group = 4;
+  o.topk_group = 2;
+  o.first_k_dense_replace = 1;
+  o.n_shared_experts = 1;
+  o.routed_scaling_factor = 2.5;
+  o.num_mtp_layers = 1;
+  return o;
 }
 
 absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch) {

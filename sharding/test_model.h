@@ -20,7 +20,7 @@
 namespace exl3serve::sharding {
 
 struct TestModelOptions {
-  std::string arch = "llama";  // llama | qwen3 | qwen3-moe | mixtral
+  std::string arch = "llama";  // llama | qwen3 | qwen3-moe | mixtral | glm4-moe
   int num_layers = 2;
   int64_t hidden_size = 256;
   int64_t intermediate_size = 640;  // dense MLP; MoE experts use moe_intermediate_size
@@ -30,6 +30,22 @@ struct TestModelOptions {
   int64_t vocab_size = 1000;  // deliberately not a multiple of 128
   int64_t num_attention_heads = 4;
   int64_t num_key_value_heads = 2;
+  int64_t head_dim = 0;  // 0: hidden_size / num_attention_heads
+  // glm4-moe only (Glm4MoeForCausalLM, architectures.md §1): q/k/v biases
+  // and, with use_qk_norm, q/k norms are written; experts come in n_group
+  // groups of which topk_group are kept; each MoE layer gets a non-zero fp32
+  // e_score_correction_bias and n_shared_experts shared experts; layers
+  // [0, first_k_dense_replace) are dense; num_mtp_layers next-token layers
+  // (enorm, hnorm, eh_proj, shared_head.norm and an attention block) follow
+  // the last layer. Glm4MoeTestDefaults() gives the odd-sized test shape.
+  double partial_rotary_factor = 0.5;
+  bool use_qk_norm = true;
+  int n_group = 4;
+  int topk_group = 2;
+  int first_k_dense_replace = 1;
+  int n_shared_experts = 1;
+  double routed_scaling_factor = 2.5;
+  int num_mtp_layers = 1;
   bool tie_word_embeddings = false;
   uint64_t seed = 1;
   int num_shards = 1;  // > 1 writes model-0000K-of-0000N + index
@@ -53,6 +69,13 @@ struct TestModelOptions {
   int64_t bos_token_id = 1;
   std::vector<int64_t> eos_token_ids = {2};  // config.json gets the first, generation_config all
 };
+
+// The glm4-moe test shape: sizes that are not multiples of 128 (hidden 200,
+// dense MLP 300, experts 160), 3 layers (the first dense), 6 query heads of
+// head_dim 48 (!= 200/6) over 2 KV heads, half the head rotated, 12 experts
+// in 4 groups of which 2 are kept, 4 chosen per token, one shared expert,
+// routed_scaling_factor 2.5, one MTP layer, vocab 1000.
+TestModelOptions Glm4MoeTestDefaults();
 
 // Writes config.json, generation_config.json and the weights (BF16) into `dir`
 // (created if missing). Errors: InvalidArgument for an unknown arch or bad

@@ -87,6 +87,99 @@ absl::Status ReadRopeScaling(const nlohmann::json& config, int64_t max_positions
       "config.json: rope_scaling type `", type, "` is not supported (default, linear, llama3)"));
 }
 
+absl::Status ReadBool(const nlohmann::json& config, const char* key, bool fallback, bool* out) {
+  *out = fallback;
+  auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_boolean()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config.json: `", key, "` must be true or false, got ", it->dump()));
+  }
+  *out = it->get<bool>();
+  return absl::OkStatus();
+}
+
+// A string key that, when present, must have the one value we implement.
+absl::Status RequireStringIfPresent(const nlohmann::json& config, const char* key,
+                                    const char* supported) {
+  auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string() || it->get<std::string>() != supported) {
+    return absl::UnimplementedError(absl::StrCat("config.json: `", key, "` ", it->dump(),
+                                                 " is not supported (", supported, ")"));
+  }
+  return absl::OkStatus();
+}
+
+// Glm4MoeForCausalLM's attention and routing keys (architectures.md §1.1);
+// the sizes and layer kinds are sharding::ModelArchFromConfig's.
+absl::Status ReadGlm4Moe(const nlohmann::json& config, ModelConfig* out) {
+  const sharding::ModelArch& arch = out->arch;
+  if (auto s = ReadBool(config, "use_qk_norm", false, &out->qk_norm); !s.ok()) return s;
+  bool renormalize = true;  // transformers' Glm4MoeConfig default
+  if (auto s = ReadBool(config, "norm_topk_prob", true, &renormalize); !s.ok()) return s;
+  out->moe_topk_weights = renormalize ? MoeTopKWeights::kRenormalized : MoeTopKWeights::kRaw;
+  if (auto s = RequireStringIfPresent(config, "scoring_func", "sigmoid"); !s.ok()) return s;
+  if (auto s = RequireStringIfPresent(config, "topk_method", "noaux_tc"); !s.ok()) return s;
+  out->moe_router = MoeRouter::kSigmoidGrouped;
+
+  // exllamav3 defaults a missing routed_scaling_factor to 2.5, transformers
+  // to 1.0: a config without it is ambiguous, so it is required.
+  if (!config.contains("routed_scaling_factor")) {
+    return absl::InvalidArgumentError(
+        "config.json: `routed_scaling_factor` is missing (Glm4MoeForCausalLM needs it)");
+  }
+  out->routed_scaling_factor = 0.0;
+  if (auto s = ReadPositiveDouble(config, "config.json", "routed_scaling_factor",
+                                  &out->routed_scaling_factor);
+      !s.ok() || !(out->routed_scaling_factor > 0.0)) {
+    return s.ok() ? absl::InvalidArgumentError(
+                        "config.json: `routed_scaling_factor` must be a positive number, got null")
+                  : s;
+  }
+
+  double factor = 1.0;
+  if (auto s = ReadPositiveDouble(config, "config.json", "partial_rotary_factor", &factor);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t rotary = static_cast<int64_t>(static_cast<double>(arch.head_dim) * factor);
+  if (factor > 1.0 || rotary <= 0 || rotary % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `partial_rotary_factor` ", factor, " x head_dim ", arch.head_dim,
+        " must give an even number of rotary dims in [2, head_dim], got ", rotary));
+  }
+  out->rotary_dim = rotary;
+
+  auto read_int = [&](const char* key, int64_t* value) -> absl::Status {
+    auto it = config.find(key);
+    if (it == config.end() || it->is_null()) return absl::OkStatus();  // 1: no groups
+    if (!it->is_number_integer() || it->get<int64_t>() <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config.json: `", key, "` must be an integer > 0, got ", it->dump()));
+    }
+    *value = it->get<int64_t>();
+    return absl::OkStatus();
+  };
+  int64_t n_group = 1, topk_group = 1;
+  if (auto s = read_int("n_group", &n_group); !s.ok()) return s;
+  if (auto s = read_int("topk_group", &topk_group); !s.ok()) return s;
+  const int64_t experts = arch.num_experts;
+  if (experts % n_group != 0 || (n_group > 1 && experts / n_group < 2)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `n_group` ", n_group, " must divide `n_routed_experts` ", experts,
+        " into groups of at least 2 experts (a group scores its two best)"));
+  }
+  if (topk_group > n_group || topk_group * (experts / n_group) < arch.num_experts_per_token) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `topk_group` ", topk_group, " must be in [1, n_group ", n_group,
+        "] and keep at least `num_experts_per_tok` ", arch.num_experts_per_token, " experts"));
+  }
+  out->moe_n_group = static_cast<int>(n_group);
+  out->moe_topk_group = static_cast<int>(topk_group);
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
@@ -139,6 +232,11 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
     out.moe_topk_weights = renormalize ? MoeTopKWeights::kRenormalized : MoeTopKWeights::kRaw;
   }
 
+  out.rotary_dim = out.arch.head_dim;
+  if (name == "Glm4MoeForCausalLM") {
+    if (auto s = ReadGlm4Moe(config, &out); !s.ok()) return s;
+  }
+
   if (auto it = config.find("bos_token_id"); it != config.end() && it->is_number_integer()) {
     out.bos_token_id = it->get<int32_t>();
   }
@@ -152,10 +250,10 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
 }
 
 std::vector<double> RopeInverseFrequencies(const ModelConfig& config) {
-  const int64_t head_dim = config.arch.head_dim;
-  std::vector<double> inv_freq(head_dim / 2);
-  for (int64_t i = 0; i < head_dim / 2; ++i) {
-    inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / head_dim);
+  const int64_t dim = config.rotary_dim > 0 ? config.rotary_dim : config.arch.head_dim;
+  std::vector<double> inv_freq(dim / 2);
+  for (int64_t i = 0; i < dim / 2; ++i) {
+    inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / dim);
   }
   const RopeScaling& s = config.rope_scaling;
   if (s.type == RopeScalingType::kLinear) {

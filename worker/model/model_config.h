@@ -8,7 +8,8 @@
 //
 // Model equations are those of the Hugging Face implementations of
 // LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-// MixtralForCausalLM and Qwen3MoeForCausalLM.
+// MixtralForCausalLM, Qwen3MoeForCausalLM and Glm4MoeForCausalLM (the
+// transformers `modeling_glm4_moe.py` equations; architectures.md §1).
 #ifndef EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
 #define EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
 
@@ -42,6 +43,20 @@ enum class MoeTopKWeights {
   kRaw,           // the softmax probabilities as they are (Qwen3-MoE otherwise)
 };
 
+// How an MoE layer picks its experts.
+enum class MoeRouter {
+  // Mixtral, Qwen3-MoE: p = softmax(router logits) over all experts, the top
+  // k of p (lower index first on ties), weights per MoeTopKWeights.
+  kSoftmax,
+  // GLM-4 MoE (topk_method noaux_tc, scoring_func sigmoid): s = sigmoid(router
+  // logits), c = s + e_score_correction_bias; with n_group > 1 each group
+  // scores the sum of its two largest c, the best topk_group groups stay and
+  // the others' c become 0.0; the top k of c are chosen (lower index first on
+  // ties). Weights w_e = s_e (unbiased) / (Σ_chosen s + 1e-20) when
+  // renormalized (else s_e), times routed_scaling_factor.
+  kSigmoidGrouped,
+};
+
 struct ModelConfig {
   sharding::ModelArch arch;  // dimensions, layer kinds, the linears
   double rms_norm_eps = 1e-6;
@@ -52,6 +67,14 @@ struct ModelConfig {
   int64_t sliding_window = 0;
   bool qk_norm = false;  // Qwen3 / Qwen3-MoE: RMSNorm per head on q and k before RoPE
   MoeTopKWeights moe_topk_weights = MoeTopKWeights::kRenormalized;
+  // RoPE rotates the first rotary_dim dims of every q/k head (pairs i and
+  // i + rotary_dim/2, rotate-half/NEOX); the rest pass through. head_dim
+  // unless GLM-4 MoE's partial_rotary_factor says less (0.5: half).
+  int64_t rotary_dim = 0;
+  MoeRouter moe_router = MoeRouter::kSoftmax;
+  int moe_n_group = 1;              // kSigmoidGrouped: expert groups (n_group)
+  int moe_topk_group = 1;           // kSigmoidGrouped: groups kept (topk_group)
+  double routed_scaling_factor = 1.0;  // multiplies the routed experts' weights
   int32_t bos_token_id = -1;            // -1: none
   std::vector<int32_t> eos_token_ids;   // config.json and generation_config.json, merged
 };
@@ -62,11 +85,17 @@ struct ModelConfig {
 // key for a bad rms_norm_eps, rope_theta, rope_scaling or sliding_window;
 // Unimplemented for a rope_scaling type other than default/linear/llama3, a
 // hidden_act other than silu, or Qwen's use_sliding_window = true.
+// Glm4MoeForCausalLM: InvalidArgument naming the key for a missing or bad
+// routed_scaling_factor, partial_rotary_factor (rotary dims must be even and
+// > 0), n_group (must divide n_routed_experts into groups of >= 2 when > 1),
+// topk_group (1..n_group, keeping at least num_experts_per_tok experts) or
+// use_qk_norm / norm_topk_prob of the wrong type; Unimplemented for a
+// scoring_func other than sigmoid or a topk_method other than noaux_tc.
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
                                                 const nlohmann::json* generation_config);
 
-// The head_dim/2 RoPE inverse frequencies θ^(-2i/head_dim), with the scaling
-// applied. The angle of pair i at position p is p · inv_freq[i].
+// The rotary_dim/2 RoPE inverse frequencies θ^(-2i/rotary_dim), with the
+// scaling applied. The angle of pair i at position p is p · inv_freq[i].
 std::vector<double> RopeInverseFrequencies(const ModelConfig& config);
 
 }  // namespace exl3serve::worker

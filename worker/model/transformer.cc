@@ -10,6 +10,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/logging.h"
 #include "common/status_macros.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
@@ -47,11 +48,14 @@ inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 sharding::RankShard WholeModelShard(const sharding::ModelArch& arch) {
   sharding::RankShard shard;
   shard.layers.resize(arch.num_layers);
-  for (sharding::LayerShard& layer : shard.layers) {
+  for (int l = 0; l < arch.num_layers; ++l) {
+    sharding::LayerShard& layer = shard.layers[l];
     layer.q_heads = {0, arch.num_attention_heads};
     layer.kv_heads = {0, arch.num_key_value_heads};
     layer.o_bias = layer.down_bias = layer.expert_down_bias = true;
-    layer.mlp_channels = {0, arch.intermediate_size};
+    // MoE layers: the shared expert's channels (none without one).
+    layer.mlp_channels = {0, arch.layer_is_moe[l] ? arch.shared_expert_intermediate_size
+                                                  : arch.intermediate_size};
     layer.experts = {0, arch.num_experts};
     layer.expert_channels = {0, arch.moe_intermediate_size};
   }
@@ -104,6 +108,11 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(
         absl::StrCat(dir, ": head_dim must be even for RoPE, got ", model->config_.arch.head_dim));
   }
   model->rope_inv_freq_ = RopeInverseFrequencies(model->config_);
+  if (model->config_.arch.num_mtp_layers > 0) {
+    EXL3_LOG(kInfo) << dir << ": skipping " << model->config_.arch.num_mtp_layers
+                    << " next-token-prediction (MTP) layer(s) after layer "
+                    << model->config_.arch.num_layers - 1 << " (num_nextn_predict_layers)";
+  }
   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<sharding::Exl3Model> checkpoint,
                         sharding::Exl3Model::Open(dir));
   if (tp != nullptr) {
@@ -210,6 +219,26 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
     // inputs are bit-identical, so every rank picks the same experts).
     EXL3_ASSIGN_OR_RETURN(layer.router, load(spec(l, LinearRole::kRouter, -1), all_hidden,
                                              IndexRange{0, arch.num_experts}, true));
+    if (config_.moe_router == MoeRouter::kSigmoidGrouped) {
+      EXL3_ASSIGN_OR_RETURN(layer.score_bias,
+                            LoadVector(model, prefix + ".mlp.gate.e_score_correction_bias",
+                                       arch.num_experts));
+    }
+    if (arch.shared_expert_intermediate_size > 0) {
+      EXL3_RETURN_IF_ERROR(
+          check(part.mlp_channels, arch.shared_expert_intermediate_size, "shared expert channels"));
+      layer.has_shared = !part.mlp_channels.empty();
+      if (layer.has_shared) {
+        const int e = sharding::kSharedExpert;
+        EXL3_ASSIGN_OR_RETURN(layer.shared.gate, load(spec(l, LinearRole::kGate, e), all_hidden,
+                                                      part.mlp_channels, true));
+        EXL3_ASSIGN_OR_RETURN(layer.shared.up, load(spec(l, LinearRole::kUp, e), all_hidden,
+                                                    part.mlp_channels, true));
+        EXL3_ASSIGN_OR_RETURN(layer.shared.down, load(spec(l, LinearRole::kDown, e),
+                                                      part.mlp_channels, all_hidden,
+                                                      part.down_bias));
+      }
+    }
     layer.expert_begin = part.experts.begin;
     layer.experts.resize(part.experts.size());
     for (int64_t i = 0; i < part.experts.size(); ++i) {
@@ -598,9 +627,11 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
     }
     std::vector<int64_t> positions(n);
     std::iota(positions.begin(), positions.end(), start);
-    EXL3_RETURN_IF_ERROR(kernels::ApplyRope(qb, n, nh, hd, positions.data(), rope_inv_freq_.data()));
-    EXL3_RETURN_IF_ERROR(
-        kernels::ApplyRope(kb, n, nkv, hd, positions.data(), rope_inv_freq_.data()));
+    const int64_t rot = config_.rotary_dim;
+    EXL3_RETURN_IF_ERROR(kernels::ApplyPartialRope(qb, n, nh, hd, rot, positions.data(),
+                                                   rope_inv_freq_.data()));
+    EXL3_RETURN_IF_ERROR(kernels::ApplyPartialRope(kb, n, nkv, hd, rot, positions.data(),
+                                                   rope_inv_freq_.data()));
     cache->Write(batch[b].seq_id, layer_index, start, n, kb, v.data() + row0 * nkv * hd);
 
     // Every key any of these queries can see: [lo, start + n).
@@ -645,8 +676,7 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   };
   if (!layer.moe) return gated(layer.gate, layer.up, layer.down, a.data(), m, plan, out->data());
 
-  // Route: softmax over all experts, keep the top k (lower index first on
-  // ties), optionally renormalise.
+  // Route (model_config.h MoeRouter): every rank routes every token itself.
   const int experts = arch.num_experts, top_k = arch.num_experts_per_token;
   const int64_t held_begin = layer.expert_begin;
   const int64_t held_end = held_begin + static_cast<int64_t>(layer.experts.size());
@@ -656,8 +686,55 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
   std::vector<std::vector<float>> weights_of(experts);
   std::vector<int> order(experts);
   std::vector<double> p(experts);
+  std::vector<double> choice(experts), group_score(config_.moe_n_group);
+  std::vector<int> group_order(config_.moe_n_group);
   for (int64_t r = 0; r < m; ++r) {
     const float* z = router.data() + r * experts;
+    if (config_.moe_router == MoeRouter::kSigmoidGrouped) {
+      // s = sigmoid(z); the correction bias only steers the choice.
+      for (int e = 0; e < experts; ++e) {
+        p[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(z[e])));
+        choice[e] = p[e] + static_cast<double>(layer.score_bias[e]);
+      }
+      const int groups = config_.moe_n_group;
+      if (groups > 1) {
+        const int per_group = experts / groups;
+        for (int g = 0; g < groups; ++g) {
+          double best = -INFINITY, second = -INFINITY;
+          for (int e = g * per_group; e < (g + 1) * per_group; ++e) {
+            if (choice[e] > best) {
+              second = best;
+              best = choice[e];
+            } else if (choice[e] > second) {
+              second = choice[e];
+            }
+          }
+          group_score[g] = best + second;
+        }
+        std::iota(group_order.begin(), group_order.end(), 0);
+        std::stable_sort(group_order.begin(), group_order.end(),
+                         [&](int x, int y) { return group_score[x] > group_score[y]; });
+        // Experts of the groups not kept score 0.0 (as transformers'
+        // masked_fill), not -inf: they can still beat negative scores.
+        for (int i = config_.moe_topk_group; i < groups; ++i) {
+          const int g = group_order[i];
+          std::fill(choice.begin() + g * per_group, choice.begin() + (g + 1) * per_group, 0.0);
+        }
+      }
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int x, int y) { return choice[x] > choice[y]; });
+      double top_sum = 0.0;
+      for (int i = 0; i < top_k; ++i) top_sum += p[order[i]];
+      const double norm =
+          config_.moe_topk_weights == MoeTopKWeights::kRenormalized ? top_sum + 1e-20 : 1.0;
+      for (int i = 0; i < top_k; ++i) {
+        rows_of[order[i]].push_back(r);
+        weights_of[order[i]].push_back(
+            static_cast<float>(p[order[i]] / norm * config_.routed_scaling_factor));
+      }
+      continue;
+    }
     const float zmax = *std::max_element(z, z + experts);
     double sum = 0.0;
     for (int e = 0; e < experts; ++e) sum += p[e] = std::exp(static_cast<double>(z[e] - zmax));
@@ -672,7 +749,13 @@ absl::Status Transformer::Mlp(const Layer& layer, const std::vector<float>& a, i
       weights_of[order[i]].push_back(static_cast<float>(p[order[i]] / norm));
     }
   }
-  std::fill(out->begin(), out->begin() + m * hidden, 0.0f);
+  // The shared expert (GLM) runs on every row; the routed experts add to it.
+  if (layer.has_shared) {
+    EXL3_RETURN_IF_ERROR(gated(layer.shared.gate, layer.shared.up, layer.shared.down, a.data(), m,
+                               plan, out->data()));
+  } else {
+    std::fill(out->begin(), out->begin() + m * hidden, 0.0f);
+  }
   // Each gathered row keeps its entry's kind: an expert's plan is the kinds
   // of its rows in row order (runs of the batch plan stay runs).
   std::vector<RowKind> kind_of_row;

@@ -1,7 +1,10 @@
 // worker/model/transformer.h — a config-driven decoder-only transformer on
 // one rank: Llama (incl. llama3 RoPE scaling), Mistral (sliding window),
-// Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Mixtral and Qwen3-MoE,
-// each linear EXL3-quantized or plain (bf16/fp16/fp32 checkpoints).
+// Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Mixtral, Qwen3-MoE and
+// GLM-4 MoE (q/k/v bias, optional q/k norm, partial RoPE, sigmoid grouped
+// routing with a correction bias, shared experts, first layers dense; its
+// MTP layers are not built), each linear EXL3-quantized or plain
+// (bf16/fp16/fp32 checkpoints).
 //
 //   EXL3_ASSIGN_OR_RETURN(auto model, Transformer::Load(dir));
 //   EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, model->CreateKvCache(KvCacheOptions{}));
@@ -11,12 +14,16 @@
 //
 // The forward (fp32 activations throughout), per layer:
 //   a = RMSNorm(h) ; q, k, v = a·Wqᵀ(+b), a·Wkᵀ(+b), a·Wvᵀ(+b)
-//   [Qwen3: q, k = RMSNorm per head] ; q, k = RoPE(q, k) (rotate-half pairs i, i + d/2)
+//   [Qwen3, GLM use_qk_norm: q, k = RMSNorm per head]
+//   q, k = RoPE(q, k) (rotate-half pairs i, i + r/2 of the first r = rotary_dim dims)
 //   k, v -> cache ; o = softmax(q·kᵀ/√d + causal/window mask)·v over the cached positions
 //   h += o·Woᵀ ; a = RMSNorm(h)
 //   dense: h += (silu(a·Wgᵀ) ⊙ a·Wuᵀ)·Wdᵀ
 //   MoE:   p = softmax(a·Wrᵀ), top-k experts, weights renormalised (Mixtral, Qwen3-MoE
 //          with norm_topk_prob) or not; h += Σ w_e · expert_e(a)
+//   GLM:   s = sigmoid(a·Wrᵀ), experts chosen on s + correction bias within the
+//          best groups (model_config.h MoeRouter), weights from s;
+//          h += Σ w_e · expert_e(a) + shared_expert(a)
 // then logits = RMSNorm(h)·W_headᵀ (W_head = lm_head, or the token embedding when
 // tied and lm_head is absent). Attention always reads keys and values back from
 // the cache (also those of the chunk being processed), so prefill in chunks,
@@ -205,8 +212,11 @@ class Transformer {
     bool moe = false;
     Linear gate, up, down;  // dense MLP
     Linear router;          // MoE
+    std::vector<float> score_bias;  // MoeRouter::kSigmoidGrouped: e_score_correction_bias
     int64_t expert_begin = 0;     // experts[i] is expert expert_begin + i
     std::vector<Expert> experts;  // the ones this rank holds
+    bool has_shared = false;      // GLM: this rank's channels of the shared expert
+    Expert shared;
   };
 
   Transformer() = default;
