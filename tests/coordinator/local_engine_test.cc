@@ -198,6 +198,14 @@ std::vector<int32_t> Ids(const v1::GenerateComplete& c) {
   return std::vector<int32_t>(c.output_ids().begin(), c.output_ids().end());
 }
 
+// What the engine knows of the shared test model besides the executor.
+EngineModel TestModelFacts() {
+  EngineModel m;
+  m.facts = {.arch = model->transformer->config().arch,
+             .eos_token_ids = model->transformer->config().eos_token_ids};
+  return m;
+}
+
 class LocalEngineTest : public ::testing::Test {
  public:
   static void SetUpTestSuite() {
@@ -238,9 +246,7 @@ class LocalEngineTest : public ::testing::Test {
     auto gated = std::make_unique<GatedExecutor>(
         std::make_unique<worker::LocalStepExecutor>(model->transformer.get(), std::move(*cache)));
     gate_ = gated.get();
-    EngineModel m;
-    m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+    EngineModel m = TestModelFacts();
     return std::make_unique<LocalEngine>(options, std::move(m), std::move(gated));
   }
   GatedExecutor* gate_ = nullptr;
@@ -688,9 +694,7 @@ class PageAuditExecutor final : public ForwardingExecutor {
 
 TEST_F(LocalEngineTest, TheCacheHoldsExactlyTheBlocksTheSchedulerAssigned) {
   EngineOptions options = Options(40, 4);  // small: preemption frees and reassigns blocks
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto owned = std::make_unique<PageAuditExecutor>(options.kv);
   PageAuditExecutor* audit = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
@@ -720,9 +724,7 @@ TEST_F(LocalEngineTest, AnExecutorWithAnotherKvLayoutIsRefused) {
   EngineOptions options = Options(64, 16);
   worker::KvCacheOptions theirs = options.kv;
   theirs.num_pages = 32;
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m),
                                               std::make_unique<PageAuditExecutor>(theirs));
   const absl::Status refused =
@@ -736,9 +738,7 @@ TEST_F(LocalEngineTest, AnExecutorWithAnotherKvLayoutIsRefused) {
 
 TEST_F(LocalEngineTest, AFailingExecutorEndsEveryRequestWithUnavailable) {
   EngineOptions options = Options(64, 16);
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto dying = std::make_unique<DyingExecutor>(5);
   DyingExecutor* executor = dying.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(dying));
@@ -834,9 +834,7 @@ class ReformingExecutor final : public worker::StepExecutor {
 
 TEST_F(LocalEngineTest, InFlightRequestsAreReplayedWhenTheGroupReforms) {
   EngineOptions options = Options(40, 4);  // small: preemption and replay together
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto owned = std::make_unique<ReformingExecutor>(options.kv, 6, /*recoverable=*/true);
   ReformingExecutor* executor = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
@@ -864,9 +862,7 @@ TEST_F(LocalEngineTest, InFlightRequestsAreReplayedWhenTheGroupReforms) {
 TEST_F(LocalEngineTest, ABrokenEngineIsReadyAgainOnceTheGroupReforms) {
   EngineOptions options = Options(64, 16);
   options.reform_timeout = absl::Milliseconds(50);
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto owned = std::make_unique<ReformingExecutor>(options.kv, 3, /*recoverable=*/false);
   ReformingExecutor* executor = owned.get();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
@@ -957,9 +953,7 @@ TEST_F(LocalEngineTest, PrefixCacheGivesTheSameTokensAsRecomputingEveryPrompt) {
 
   EngineOptions on = Options(40, 4);
   ASSERT_TRUE(on.enable_prefix_caching);  // the default
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto owned = std::make_unique<PageAuditExecutor>(on.kv);
   PageAuditExecutor* audit = owned.get();
   auto engine = std::make_unique<LocalEngine>(on, std::move(m), std::move(owned));
@@ -979,9 +973,7 @@ TEST_F(LocalEngineTest, PrefixCacheGivesTheSameTokensAsRecomputingEveryPrompt) {
   engine->Shutdown();
 
   // A rank dies after 25 forwards: the re-formed group's caches are empty.
-  EngineModel m2;
-  m2.facts = {.arch = model->transformer->config().arch,
-              .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m2 = TestModelFacts();
   auto dying = std::make_unique<ReformingExecutor>(on.kv, 25, /*recoverable=*/true);
   ReformingExecutor* reforming = dying.get();
   auto engine2 = std::make_unique<LocalEngine>(on, std::move(m2), std::move(dying));
@@ -1044,9 +1036,7 @@ TEST_F(LocalEngineTest, TheDiskTierGivesTheSameTokensAlsoWhenItsFileIsCorrupted)
     EngineOptions on = Options(40, 4);  // too small for the chats: blocks go to disk
     on.kv_disk_path = dir.File("kv.bin");
     on.kv_disk_blocks = 256;
-    EngineModel m;
-    m.facts = {.arch = model->transformer->config().arch,
-               .eos_token_ids = model->transformer->config().eos_token_ids};
+    EngineModel m = TestModelFacts();
     auto owned = std::make_unique<CorruptingDiskExecutor>(on.kv, on.kv_disk_path, 256, corrupt);
     CorruptingDiskExecutor* executor = owned.get();
     auto engine = std::make_unique<LocalEngine>(on, std::move(m), std::move(owned));
@@ -1176,16 +1166,10 @@ TEST_F(LocalEngineTest, DraftingThroughPreemptionThePrefixCacheAndAReplayGivesTh
   off.enable_prefix_caching = false;
   const ChatRun reference = RunChats(*Engine(off));
   const EngineOptions on = Speculative(Options(40, 4));
-  auto model_facts = [] {
-    EngineModel m;
-    m.facts = {.arch = model->transformer->config().arch,
-               .eos_token_ids = model->transformer->config().eos_token_ids};
-    return m;
-  };
   {
     auto owned = std::make_unique<PageAuditExecutor>(on.kv);
     PageAuditExecutor* audit = owned.get();
-    auto engine = std::make_unique<LocalEngine>(on, model_facts(), std::move(owned));
+    auto engine = std::make_unique<LocalEngine>(on, TestModelFacts(), std::move(owned));
     const ChatRun drafted = RunChats(*engine);
     for (size_t i = 0; i < drafted.outputs.size(); ++i) {
       EXPECT_EQ(drafted.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
@@ -1199,7 +1183,7 @@ TEST_F(LocalEngineTest, DraftingThroughPreemptionThePrefixCacheAndAReplayGivesTh
   // A rank dies after 25 forwards, drafts in flight.
   auto dying = std::make_unique<ReformingExecutor>(on.kv, 25, /*recoverable=*/true);
   ReformingExecutor* reforming = dying.get();
-  auto engine = std::make_unique<LocalEngine>(on, model_facts(), std::move(dying));
+  auto engine = std::make_unique<LocalEngine>(on, TestModelFacts(), std::move(dying));
   const ChatRun replayed = RunChats(*engine);
   for (size_t i = 0; i < replayed.outputs.size(); ++i) {
     EXPECT_EQ(replayed.outputs[i], reference.outputs[i]) << "conversation " << i / 4 << " turn " << i % 4;
@@ -1227,9 +1211,7 @@ class NoVerifyExecutor final : public ForwardingExecutor {
 TEST_F(LocalEngineTest, AnExecutorThatCannotVerifyServesWithoutDrafts) {
   const SpecRun reference = RunRepetitive(*Engine(Options(128, 4)), /*alone=*/false);
   const EngineOptions on = Speculative(Options(128, 4));
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   auto owned = std::make_unique<NoVerifyExecutor>(on.kv);
   NoVerifyExecutor* executor = owned.get();
   LocalEngine engine(on, std::move(m), std::move(owned));
@@ -1257,9 +1239,7 @@ class LyingVerifier final : public ForwardingExecutor {
 
 TEST_F(LocalEngineTest, ARunThatDoesNotMatchItsDraftIsAnInternalErrorNotACrash) {
   const EngineOptions on = Speculative(Options(128, 4));
-  EngineModel m;
-  m.facts = {.arch = model->transformer->config().arch,
-             .eos_token_ids = model->transformer->config().eos_token_ids};
+  EngineModel m = TestModelFacts();
   LocalEngine engine(on, std::move(m), std::make_unique<LyingVerifier>(on.kv));
   // A prompt that repeats, so drafts are proposed and (truly) accepted.
   std::vector<int32_t> prompt;
@@ -1323,9 +1303,7 @@ TEST_F(LocalEngineTest, DraftModelOutputIsTheOutputWithoutDrafts) {
     SCOPED_TRACE(same_model ? "draft = target" : "draft = another model");
     EngineOptions options = Speculative(Options(128, 4));
     options.speculative = SpeculativeMethod::kDraftModel;
-    EngineModel m;
-    m.facts = {.arch = model->transformer->config().arch,
-               .eos_token_ids = model->transformer->config().eos_token_ids};
+    EngineModel m = TestModelFacts();
     auto executor = std::make_unique<ForwardingExecutor>(options.kv);
     LocalEngine engine(options, std::move(m), std::move(executor),
                        InProcessDraft(same_model ? model->transformer.get() : other_model->get()));
