@@ -1,6 +1,7 @@
 // `exl3serve make-test-model`: a small random HF-format model.
 // `exl3serve make-demo-model`: the same with demo defaults (vocab 151 936,
-// peaked logits, Qwen3 special ids) and the real Qwen3 tokenizer files.
+// peaked logits, Qwen3 special ids) and the real Qwen3 tokenizer files
+// (llama, qwen3, qwen3-moe and glm4-moe).
 #include <cstdio>
 #include <memory>
 
@@ -73,7 +74,10 @@ CommandRunner RegisterMakeDemoModelCommand(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
-  app.add_option("--arch", args->arch, "llama | qwen3 | qwen3-moe")->capture_default_str();
+  app.add_option("--arch", args->arch,
+                 "llama | qwen3 | qwen3-moe | glm4-moe (glm4-moe: the make-test-model shape, "
+                 "sharding::Glm4MoeTestDefaults, with the demo vocab and peaked logits)")
+      ->capture_default_str();
   app.add_option("--tokenizer-dir", args->tokenizer_dir,
                  "holds the Qwen3 tokenizer.json and tokenizer_config.json "
                  "(scripts/fetch-demo-tokenizer.sh puts them in the default)")
@@ -81,16 +85,17 @@ CommandRunner RegisterMakeDemoModelCommand(CLI::App& app) {
   app.add_flag("--no-tokenizer", args->no_tokenizer,
                "write no tokenizer files (token ids only; peaked over every id)");
   AddModelOptions(app, &args->model);
-  return [args]() -> absl::Status {
-    // The arch's defaults, then whatever shape options were given on top.
+  return [args, &app]() -> absl::Status {
+    // The arch's defaults, then the shape options given on top (only those
+    // given: glm4-moe's defaults differ from the options' shown defaults).
     EXL3_ASSIGN_OR_RETURN(sharding::TestModelOptions model,
                           sharding::DemoModelDefaults(args->arch));
     const sharding::TestModelOptions& given = args->model;
-    model.num_layers = given.num_layers;
-    model.hidden_size = given.hidden_size;
-    model.intermediate_size = given.intermediate_size;
-    model.vocab_size = given.vocab_size;
-    model.num_experts = given.num_experts;
+    if (app.count("--layers") > 0) model.num_layers = given.num_layers;
+    if (app.count("--hidden") > 0) model.hidden_size = given.hidden_size;
+    if (app.count("--intermediate") > 0) model.intermediate_size = given.intermediate_size;
+    if (app.count("--vocab") > 0) model.vocab_size = given.vocab_size;
+    if (app.count("--experts") > 0) model.num_experts = given.num_experts;
     model.seed = given.seed;
     model.num_shards = given.num_shards;
     EXL3_RETURN_IF_ERROR(sharding::WriteDemoModel(

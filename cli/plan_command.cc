@@ -1,9 +1,14 @@
 // `exl3serve plan --model DIR --ranks N [--ep M] [--boxes a:2,b:2 | a,a,b]
-// [--capacities 1,1,0.5] [--replicate-head]`: prints which rank would hold which
-// heads, channels, experts and vocab rows of a model (EXL3 or Hugging Face),
-// and the bytes each would read (sharding/shard_plan.h).
+// [--capacities 1,1,0.5] [--replicate-head] [--bits B [--head-bits H]]`:
+// prints which rank would hold which heads, channels, experts and vocab rows
+// of a model (EXL3 or Hugging Face), and the bytes each would read
+// (sharding/shard_plan.h). A directory with a config.json and no
+// *.safetensors (a published model's config alone) is planned from the
+// config: bytes at fp16, or with --bits as `convert --bits B` would store
+// them; --bits also plans a directory with weights from its config alone.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,7 +22,10 @@
 #include "cli/commands.h"
 #include "cli/spill_flags.h"
 #include "common/status_macros.h"
+#include "nlohmann/json.hpp"
 #include "sharding/exl3_model.h"
+#include "sharding/model_arch.h"
+#include "sharding/safetensors_json.h"
 #include "sharding/shard_plan.h"
 
 namespace exl3serve::cli {
@@ -78,6 +86,15 @@ absl::Status ParseBoxes(const std::string& text, int ranks, sharding::WorldSpec&
   return absl::OkStatus();
 }
 
+// True when `dir` holds no *.safetensors file (a config.json alone).
+bool HasNoWeights(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (entry.path().extension() == ".safetensors") return false;
+  }
+  return !ec;  // unreadable: let Exl3Model::Open report it
+}
+
 }  // namespace
 
 CommandRunner RegisterPlanCommand(CLI::App& app) {
@@ -101,9 +118,19 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
                  "less gets proportionally less (default: all 1)");
   app.add_flag("--replicate-head", args->options.replicate_head,
                "hold the whole output head on every rank instead of splitting the vocab");
+  app.add_option("--bits", args->options.estimate_bits,
+                 "plan from config.json alone, bytes as `convert --bits B` would store them "
+                 "(the converter's bit allocation; 1..8); default for a directory without "
+                 "*.safetensors: fp16");
+  app.add_option("--head-bits", args->options.estimate_head_bits,
+                 "with --bits: K of lm_head (1..8, 16 = fp16)")
+      ->capture_default_str();
   // Which row tables each rank reads from its box's disk (as generate/serve/worker).
   AddSpillFlags(app, &args->spill);
-  return [args]() -> absl::Status {
+  return [args, &app]() -> absl::Status {
+    if (app.count("--head-bits") > 0 && app.count("--bits") == 0) {
+      return absl::InvalidArgumentError("--head-bits needs --bits (it sizes a conversion)");
+    }
     if (args->ranks < 1) {
       return absl::InvalidArgumentError(
           absl::StrCat("--ranks must be >= 1, got ", args->ranks));
@@ -115,15 +142,41 @@ CommandRunner RegisterPlanCommand(CLI::App& app) {
     EXL3_ASSIGN_OR_RETURN(const std::vector<double> capacities,
                           ParseCapacitiesFlag(args->capacity, args->ranks));
     for (size_t r = 0; r < capacities.size(); ++r) world.ranks[r].capacity = capacities[r];
-    EXL3_ASSIGN_OR_RETURN(auto model, sharding::Exl3Model::Open(args->model));
-    if (!model->arch()) {
-      return absl::UnimplementedError(absl::StrCat(
-          args->model, "/config.json: the planner needs a supported architecture "
-                       "(see `exl3serve inspect`)"));
+    std::unique_ptr<sharding::Exl3Model> model;
+    sharding::ModelArch arch;
+    std::string bytes_from;
+    if (args->options.estimate_bits > 0.0 || HasNoWeights(args->model)) {
+      // From the config alone: no weights are opened.
+      EXL3_ASSIGN_OR_RETURN(nlohmann::json config,
+                            sharding::ReadJsonFile(args->model + "/config.json"));
+      absl::StatusOr<sharding::ModelArch> parsed = sharding::ModelArchFromConfig(config);
+      if (!parsed.ok()) {
+        return absl::Status(parsed.status().code(),
+                            absl::StrCat(args->model, "/config.json: ", parsed.status().message()));
+      }
+      arch = *std::move(parsed);
+      bytes_from = args->options.estimate_bits > 0.0
+                       ? absl::StrCat("config.json, as EXL3 at ", args->options.estimate_bits,
+                                      " bpw (convert's bit allocation), head ",
+                                      args->options.estimate_head_bits == 16
+                                          ? std::string("fp16")
+                                          : absl::StrCat(args->options.estimate_head_bits, " bits"),
+                                      ", embedding, norms and router fp16")
+                       : "config.json, every tensor fp16 (no weights in the directory)";
+    } else {
+      EXL3_ASSIGN_OR_RETURN(model, sharding::Exl3Model::Open(args->model));
+      if (!model->arch()) {
+        return absl::UnimplementedError(absl::StrCat(
+            args->model, "/config.json: the planner needs a supported architecture "
+                         "(see `exl3serve inspect`)"));
+      }
+      arch = *model->arch();
+      bytes_from = "the stored tensors";
     }
     EXL3_ASSIGN_OR_RETURN(sharding::ShardPlan plan,
-                          sharding::PlanShards(*model->arch(), world, args->options, model.get()));
+                          sharding::PlanShards(arch, world, args->options, model.get()));
     std::printf("model: %s\n", args->model.c_str());
+    std::printf("bytes from: %s\n", bytes_from.c_str());
     EXL3_RETURN_IF_ERROR(sharding::PlanRowTables(args->spill.Policy(), &plan));
     std::fputs(plan.Describe().c_str(), stdout);
     std::fputs(sharding::DescribeRowTables(plan).c_str(), stdout);

@@ -14,6 +14,7 @@
 #include "common/status_macros.h"
 #include "sharding/exl3_format.h"
 #include "sharding/exl3_model.h"
+#include "sharding/quant/bit_allocation.h"
 
 namespace exl3serve::sharding {
 namespace {
@@ -192,7 +193,60 @@ int FirstNonEmpty(const std::vector<IndexRange>& ranges, size_t begin, size_t en
 // Stored bytes of one linear of the architecture: EXL3 tensors, or a plain
 // weight (+ bias); the fp16 estimate without a model. 0 for a tied head
 // without its own tensor (the embedding is counted instead).
-double LinearBytes(const ModelArch& arch, const LinearSpec& spec, const Exl3Model* model) {
+// EXL3 storage of an in x out linear at `bits` (exl3-format.md §2.4): the
+// trellis (I16 [k/16, n/16, 16·K] over 128-padded k, n), suh and svh (fp16)
+// and the 0-d I32 codebook marker.
+double Exl3LinearBytes(int64_t in_features, int64_t out_features, int bits) {
+  const double k = static_cast<double>((in_features + 127) / 128 * 128);
+  const double n = static_cast<double>((out_features + 127) / 128 * 128);
+  return k * n * bits / 8.0 + 2.0 * (k + n) + 4.0;
+}
+
+// Bits per linear key when estimating as EXL3 (ShardOptions::estimate_bits >
+// 0): the converter's allocation for the budgeted linears (Converter::Allocate),
+// the head at estimate_head_bits, 16 for unquantized ones. Empty for fp16.
+absl::StatusOr<std::vector<int>> EstimateLinearBits(const ModelArch& arch,
+                                                    const ShardOptions& options) {
+  if (options.estimate_bits == 0.0) return std::vector<int>();
+  if (!(options.estimate_bits >= 1.0 && options.estimate_bits <= 8.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "estimate bits must be 0 (fp16) or in [1, 8], got ", options.estimate_bits));
+  }
+  const int head = options.estimate_head_bits;
+  if (!((head >= 1 && head <= 8) || head == 16)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("estimate head bits must be 1..8 or 16, got ", head));
+  }
+  std::vector<quant::AllocationItem> items;
+  std::vector<size_t> item_linear;
+  for (size_t i = 0; i < arch.linears.size(); ++i) {
+    const LinearSpec& l = arch.linears[i];
+    if (!l.quantized || l.is_head) continue;
+    quant::AllocationItem item;
+    item.name = l.key;
+    item.layer_index = l.layer;
+    item.num_layers = arch.num_layers;
+    item.qgroup = l.qgroup;
+    item.priority = l.priority;
+    item.numel = (l.in_features + 127) / 128 * 128 * ((l.out_features + 127) / 128 * 128);
+    items.push_back(std::move(item));
+    item_linear.push_back(i);
+  }
+  std::vector<int> bits(arch.linears.size(), 16);
+  for (size_t i = 0; i < arch.linears.size(); ++i) {
+    if (arch.linears[i].is_head && arch.linears[i].quantized) bits[i] = head;
+  }
+  if (!items.empty()) {
+    EXL3_ASSIGN_OR_RETURN(quant::BitAllocation allocation,
+                          quant::AllocateBits(items, options.estimate_bits));
+    for (size_t j = 0; j < items.size(); ++j) bits[item_linear[j]] = allocation.bits[j];
+  }
+  return bits;
+}
+
+// `bits` (from EstimateLinearBits; 0 = fp16 estimate) is used without a model.
+double LinearBytes(const ModelArch& arch, const LinearSpec& spec, const Exl3Model* model,
+                   int bits) {
   if (model != nullptr) {
     if (const Exl3LinearInfo* l = model->FindLinear(spec.key)) {
       return static_cast<double>(l->stored_bytes);
@@ -207,12 +261,16 @@ double LinearBytes(const ModelArch& arch, const LinearSpec& spec, const Exl3Mode
     return bytes;
   }
   if (spec.is_head && arch.tie_word_embeddings) return 0.0;
+  if (bits > 0 && bits < 16) return Exl3LinearBytes(spec.in_features, spec.out_features, bits);
   return 2.0 * static_cast<double>(spec.in_features) * static_cast<double>(spec.out_features);
 }
 
 // fp16 estimate of everything that is not a linear: embedding and norms
-// (two per layer, the final one, and Qwen3's per-head q/k norms).
-double OtherBytesEstimate(const ModelArch& arch) {
+// (two per layer, the final one, and Qwen3's per-head q/k norms). `exl3`: as
+// the converter writes them (GLM q/k/v biases padded to 128 like their
+// linears, the correction bias fp16), else as a Hugging Face checkpoint
+// holds them (correction bias fp32).
+double OtherBytesEstimate(const ModelArch& arch, bool exl3) {
   double bytes = 2.0 * static_cast<double>(arch.vocab_size) * static_cast<double>(arch.hidden_size);
   bytes += 2.0 * static_cast<double>(2 * arch.num_layers + 1) * static_cast<double>(arch.hidden_size);
   if (arch.architecture.rfind("Qwen3", 0) == 0) {
@@ -221,10 +279,14 @@ double OtherBytesEstimate(const ModelArch& arch) {
   if (arch.architecture == "Glm4MoeForCausalLM") {
     // q/k norms, q/k/v biases (fp16) and each MoE layer's fp32 correction bias.
     const double layers = static_cast<double>(arch.num_layers);
-    const double qkv = static_cast<double>((arch.num_attention_heads + 2 * arch.num_key_value_heads) *
-                                           arch.head_dim);
+    auto width = [&](int64_t heads) {
+      const int64_t w = heads * arch.head_dim;
+      return static_cast<double>(exl3 ? (w + 127) / 128 * 128 : w);
+    };
+    const double qkv = width(arch.num_attention_heads) + 2.0 * width(arch.num_key_value_heads);
     bytes += 2.0 * layers * (2.0 * static_cast<double>(arch.head_dim) + qkv);
-    for (bool moe : arch.layer_is_moe) bytes += moe ? 4.0 * arch.num_experts : 0.0;
+    const double correction = exl3 ? 2.0 : 4.0;
+    for (bool moe : arch.layer_is_moe) bytes += moe ? correction * arch.num_experts : 0.0;
   }
   return bytes;
 }
@@ -233,11 +295,15 @@ double Fraction(int64_t part, int64_t whole) {
   return whole <= 0 ? 0.0 : static_cast<double>(part) / static_cast<double>(whole);
 }
 
-void EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& plan) {
+absl::Status EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& plan) {
+  std::vector<int> bits;
+  if (model == nullptr) {
+    EXL3_ASSIGN_OR_RETURN(bits, EstimateLinearBits(arch, plan.options));
+  }
   double linear_total = 0.0;
   std::vector<double> linear_bytes(arch.linears.size());
   for (size_t i = 0; i < arch.linears.size(); ++i) {
-    linear_bytes[i] = LinearBytes(arch, arch.linears[i], model);
+    linear_bytes[i] = LinearBytes(arch, arch.linears[i], model, bits.empty() ? 0 : bits[i]);
     linear_total += linear_bytes[i];
   }
   double other = 0.0;
@@ -245,7 +311,7 @@ void EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& pla
     plan.total_bytes = model->TotalStoredBytes();
     other = std::max(0.0, static_cast<double>(plan.total_bytes) - linear_total);
   } else {
-    other = OtherBytesEstimate(arch);
+    other = OtherBytesEstimate(arch, /*exl3=*/!bits.empty());
     plan.total_bytes = static_cast<uint64_t>(std::llround(linear_total + other));
   }
 
@@ -310,6 +376,7 @@ void EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardPlan& pla
     rank.weight_bytes = static_cast<uint64_t>(std::llround(bytes));
     rank.replicated_bytes = static_cast<uint64_t>(std::llround(replicated));
   }
+  return absl::OkStatus();
 }
 
 // The token embedding, replicated on every rank (it is the only row-lookup
@@ -452,7 +519,7 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
       }
     }
   }
-  EstimateBytes(arch, model, plan);
+  EXL3_RETURN_IF_ERROR(EstimateBytes(arch, model, plan));
   AddRowTables(arch, model, plan);
   return plan;
 }

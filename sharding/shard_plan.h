@@ -55,6 +55,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "sharding/exl3_format.h"
 #include "sharding/model_arch.h"
 #include "sharding/spill_store.h"
 
@@ -92,6 +93,16 @@ struct ShardOptions {
   int expert_parallel = 0;
   // Head: vocab-parallel (default) or replicated on every rank.
   bool replicate_head = false;
+  // Byte estimates without a model (PlanShards' `model` null), e.g. from a
+  // config.json alone: 0 = every tensor at fp16; 1..8 = what `convert --bits
+  // estimate_bits --head-bits estimate_head_bits` would store: each quantized
+  // linear at the bits quant::AllocateBits gives it (the converter's own
+  // allocation), as trellis k·n·K/8 + suh/svh (fp16) + a 4-byte codebook
+  // marker over 128-padded k, n; the router and a 16-bit head as fp16; the
+  // embedding, norms and biases fp16 (a GLM correction bias fp32). Ignored
+  // when a model is given (its stored sizes are used).
+  double estimate_bits = 0.0;
+  int estimate_head_bits = kDefaultHeadBits;  // 1..8, or 16 = fp16
 };
 
 // One decoder layer on one rank. Head ranges are in heads (multiply by
@@ -154,14 +165,16 @@ struct ShardPlan {
 // or a plain `.weight` (+ `.bias`), scaled by the fraction of heads, channels,
 // experts or rows a rank holds; every tensor that belongs to no linear
 // (embedding, norms) counts whole on every rank. Without it bytes are
-// estimated as fp16 (2 bytes per weight, embedding and norms included).
+// estimated from the shapes: fp16 (2 bytes per weight, embedding and norms
+// included), or as EXL3 with ShardOptions::estimate_bits.
 // replicated_bytes counts the embedding, norms, router, the head when
 // replicated, and KV heads held by more than one rank.
 // Errors: InvalidArgument, naming the rank or option, for an empty world, no
 // boxes, a capacity <= 0 (or not finite), a box index out of range,
 // expert_parallel negative, not dividing the world size or larger than the
-// number of experts, and an arch whose head counts or layer list are
-// inconsistent.
+// number of experts, estimate_bits neither 0 nor in [1, 8] or
+// estimate_head_bits neither 1..8 nor 16 (without a model), and an arch whose
+// head counts or layer list are inconsistent.
 absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& world,
                                      const ShardOptions& options, const Exl3Model* model);
 

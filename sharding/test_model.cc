@@ -327,11 +327,13 @@ TestModelOptions Glm4MoeTestDefaults() {
 }
 
 absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch) {
-  if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--arch must be llama, qwen3 or qwen3-moe, got `", arch, "`"));
+  if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe" && arch != "glm4-moe") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--arch must be llama, qwen3, qwen3-moe or glm4-moe, got `", arch, "`"));
   }
-  TestModelOptions o;
+  // glm4-moe keeps its test shape (Glm4MoeTestDefaults): the dense first
+  // layer, grouped routing and the shared expert are what the demo shows.
+  TestModelOptions o = arch == "glm4-moe" ? Glm4MoeTestDefaults() : TestModelOptions{};
   o.arch = arch;
   o.vocab_size = kDemoVocabSize;
   o.peaked_logits = true;

@@ -94,11 +94,14 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& opti
 // The Qwen3 vocabulary as HF Qwen3 configs pad it (151 669 tokens -> 151 936).
 inline constexpr int64_t kDemoVocabSize = 151936;
 
-// Demo defaults for `arch` (llama | qwen3 | qwen3-moe): 2 layers, hidden 256,
-// head_dim 64, vocab kDemoVocabSize, peaked logits, untied lm_head (convert it
-// with --head-bits 16: a 151 936-row head quantized would dominate the
-// conversion time), Qwen3's special ids (BOS <|endoftext|> 151643, EOS
-// <|im_end|> 151645 and <|endoftext|>). InvalidArgument for another arch.
+// Demo defaults for `arch` (llama | qwen3 | qwen3-moe | glm4-moe): 2 layers,
+// hidden 256, head_dim 64 (glm4-moe: the shape of Glm4MoeTestDefaults — 3
+// layers, the first dense, 12 experts in 4 groups of which 2 are kept, a
+// shared expert, MTP tensors), vocab kDemoVocabSize, peaked logits, untied
+// lm_head (convert it with --head-bits 16: a 151 936-row head quantized would
+// dominate the conversion time), Qwen3's special ids (BOS <|endoftext|>
+// 151643, EOS <|im_end|> 151645 and <|endoftext|>). InvalidArgument for
+// another arch.
 absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch);
 
 // ${XDG_CACHE_HOME:-$HOME/.cache}/exl3serve/tokenizer-qwen3, where
