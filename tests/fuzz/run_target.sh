@@ -107,7 +107,7 @@ PY
     seed moe.json '{"architectures":["Qwen3MoeForCausalLM"],"hidden_size":64,"intermediate_size":128,"moe_intermediate_size":32,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2,"head_dim":16,"vocab_size":100,"num_experts":4,"num_experts_per_tok":2,"decoder_sparse_step":1}'
     ;;
   model_folder)
-    sources=("$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc
+    sources=("$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc "$src/sharding/quant/bit_allocation.cc"
              "$src"/kernels/{reconstruct,hadamard,trellis_lut,trellis_pack}.cc
              "$src/common/status_macros.cc" "$src/common/logging.cc")
     pkgs=(absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map absl_raw_hash_set absl_hash absl_synchronization)
@@ -147,7 +147,7 @@ PY
              "$src"/worker/rank/{rank_executor,capacities,step_command}.cc
              "$src"/worker/comm/{comm_factory,communicator,gpu_backend_choice,gpu_rank_info,hierarchical_communicator,host_staged_communicator,reduce_sum,reduce_sum_avx2,reduce_sum_avx512,shm_communicator,tcp_bootstrap,timed_communicator,ucx_communicator}.cc
              "$src"/kernels/*.cc "$src"/kernels/cpu/*.cc
-             "$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc
+             "$src"/sharding/{exl3_model,safetensors,safetensors_checkpoint,safetensors_json,safetensors_atomic_file,model_arch,shard_plan,spill_store}.cc "$src/sharding/quant/bit_allocation.cc"
              "$src/common/status_macros.cc" "$src/common/logging.cc" "$gen/exl3serve/rank/v1/rank.pb.cc"
              "$gen/exl3serve/v1/generation.pb.cc")
     extra_flags=(-I"$gen")
