@@ -10,7 +10,7 @@
 namespace exl3serve::sharding {
 namespace {
 
-enum class Family { kDense, kMixtral, kQwen3Moe, kGlm4Moe };
+enum class Family { kDense, kMixtral, kQwen3Moe, kGlm4Moe, kDeepseekV3 };
 
 struct ArchEntry {
   std::string_view name;
@@ -21,7 +21,7 @@ constexpr ArchEntry kSupported[] = {
     {"LlamaForCausalLM", Family::kDense},    {"MistralForCausalLM", Family::kDense},
     {"Qwen2ForCausalLM", Family::kDense},    {"Qwen3ForCausalLM", Family::kDense},
     {"MixtralForCausalLM", Family::kMixtral}, {"Qwen3MoeForCausalLM", Family::kQwen3Moe},
-    {"Glm4MoeForCausalLM", Family::kGlm4Moe},
+    {"Glm4MoeForCausalLM", Family::kGlm4Moe}, {"DeepseekV3ForCausalLM", Family::kDeepseekV3},
 };
 
 absl::StatusOr<int64_t> RequiredInt(const nlohmann::json& config, const char* key) {
@@ -64,6 +64,10 @@ const char* LinearRoleName(LinearRole role) {
     case LinearRole::kDown: return "down";
     case LinearRole::kRouter: return "router";
     case LinearRole::kHead: return "head";
+    case LinearRole::kQA: return "q_a";
+    case LinearRole::kQB: return "q_b";
+    case LinearRole::kKVA: return "kv_a";
+    case LinearRole::kKVB: return "kv_b";
   }
   return "?";
 }
@@ -139,6 +143,44 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
   if (auto s = read("num_attention_heads", &arch.num_attention_heads); !s.ok()) return s;
   arch.num_key_value_heads = OptionalInt(config, "num_key_value_heads", arch.num_attention_heads);
   arch.head_dim = OptionalInt(config, "head_dim", arch.hidden_size / arch.num_attention_heads);
+  if (entry->family == Family::kDeepseekV3) {
+    // Multi-head latent attention (architectures.md §2.1): every width is
+    // read, none defaulted; num_key_value_heads and head_dim are unused by
+    // MLA and replaced by the latent "head" (see ModelArch::mla()).
+    if (auto s = read("kv_lora_rank", &arch.kv_lora_rank); !s.ok()) return s;
+    if (auto s = read("qk_nope_head_dim", &arch.qk_nope_head_dim); !s.ok()) return s;
+    if (auto s = read("qk_rope_head_dim", &arch.qk_rope_head_dim); !s.ok()) return s;
+    if (auto s = read("v_head_dim", &arch.v_head_dim); !s.ok()) return s;
+    auto q_lora = config.find("q_lora_rank");
+    if (q_lora == config.end() ||
+        (!q_lora->is_null() && (!q_lora->is_number_integer() || q_lora->get<int64_t>() <= 0))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `q_lora_rank` must be an integer > 0 or null (a plain q_proj), ",
+          q_lora == config.end() ? std::string("it is missing") : "got " + q_lora->dump()));
+    }
+    arch.q_lora_rank = q_lora->is_null() ? 0 : q_lora->get<int64_t>();
+    for (const auto& [key, value] :
+         {std::pair<const char*, int64_t>{"q_lora_rank", arch.q_lora_rank},
+          {"kv_lora_rank", arch.kv_lora_rank},
+          {"qk_nope_head_dim", arch.qk_nope_head_dim},
+          {"qk_rope_head_dim", arch.qk_rope_head_dim},
+          {"v_head_dim", arch.v_head_dim}}) {
+      if (value > kMaxConfigWidth) return OverLimit(key, value, "kMaxConfigWidth", kMaxConfigWidth);
+    }
+    if (arch.qk_rope_head_dim % 2 != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `qk_rope_head_dim` must be even (rotated in pairs), got ",
+          arch.qk_rope_head_dim));
+    }
+    if (auto it = config.find("moe_layer_freq"); it != config.end() && !it->is_null() &&
+                                                 !(it->is_number_integer() && it->get<int64_t>() == 1)) {
+      return absl::UnimplementedError(absl::StrCat(
+          "config.json: `moe_layer_freq` ", it->dump(),
+          " is not supported (1: every layer from first_k_dense_replace on is MoE)"));
+    }
+    arch.num_key_value_heads = 1;
+    arch.head_dim = arch.qk_nope_head_dim + arch.qk_rope_head_dim;
+  }
   if (arch.num_key_value_heads <= 0 || arch.num_attention_heads % arch.num_key_value_heads != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config.json: `num_attention_heads` (", arch.num_attention_heads,
@@ -179,9 +221,10 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
         if (v.is_number_integer()) mlp_only_layers.insert(v.get<int64_t>());
       }
     }
-  } else if (entry->family == Family::kGlm4Moe) {
-    // architectures.md §1.1: every routing key is read, none defaulted (the
-    // defaults of exllamav3 and transformers differ from published configs).
+  } else if (entry->family == Family::kGlm4Moe || entry->family == Family::kDeepseekV3) {
+    // architectures.md §1.1, §2.1: every routing key is read, none defaulted
+    // (the defaults of exllamav3 and transformers differ from published
+    // configs and between GLM and DeepSeek).
     if (auto s = read("intermediate_size", &arch.intermediate_size); !s.ok()) return s;
     if (auto s = read("moe_intermediate_size", &arch.moe_intermediate_size); !s.ok()) return s;
     int64_t experts = 0, top_k = 0;
@@ -267,23 +310,46 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& config) {
   for (int l = 0; l < arch.num_layers; ++l) {
     const std::string layer = absl::StrCat("model.layers.", l);
     const std::string attn = layer + ".self_attn";
-    // §6.7: q/k/v one group, o another, attention priority 2.
-    add(attn + ".q_proj", l, -1, LinearRole::kQ, hidden, q_out, attn + ".qkv", 2, attn);
-    add(attn + ".k_proj", l, -1, LinearRole::kK, hidden, kv_out, attn + ".qkv", 2, attn);
-    add(attn + ".v_proj", l, -1, LinearRole::kV, hidden, kv_out, attn + ".qkv", 2, attn);
-    add(attn + ".o_proj", l, -1, LinearRole::kO, q_out, hidden, attn + ".o", 2, attn);
+    if (arch.mla()) {
+      // MLA (architectures.md §2.4): the projections of the layer input
+      // (q_a or q, kv_a) one group, q_b and o one each, all at least base+2
+      // like attention; kv_b stays 16-bit and unpadded, like the router.
+      const int64_t heads = arch.num_attention_heads;
+      if (arch.q_lora_rank > 0) {
+        add(attn + ".q_a_proj", l, -1, LinearRole::kQA, hidden, arch.q_lora_rank, attn + ".qkv",
+            2, attn);
+        add(attn + ".q_b_proj", l, -1, LinearRole::kQB, arch.q_lora_rank, q_out, attn + ".q_b",
+            2, attn);
+      } else {
+        add(attn + ".q_proj", l, -1, LinearRole::kQ, hidden, q_out, attn + ".qkv", 2, attn);
+      }
+      add(attn + ".kv_a_proj_with_mqa", l, -1, LinearRole::kKVA, hidden,
+          arch.kv_lora_rank + arch.qk_rope_head_dim, attn + ".qkv", 2, attn);
+      add(attn + ".kv_b_proj", l, -1, LinearRole::kKVB, arch.kv_lora_rank,
+          heads * (arch.qk_nope_head_dim + arch.v_head_dim), "", 0, attn);
+      arch.linears.back().quantized = false;
+      add(attn + ".o_proj", l, -1, LinearRole::kO, heads * arch.v_head_dim, hidden, attn + ".o", 2,
+          attn);
+    } else {
+      // §6.7: q/k/v one group, o another, attention priority 2.
+      add(attn + ".q_proj", l, -1, LinearRole::kQ, hidden, q_out, attn + ".qkv", 2, attn);
+      add(attn + ".k_proj", l, -1, LinearRole::kK, hidden, kv_out, attn + ".qkv", 2, attn);
+      add(attn + ".v_proj", l, -1, LinearRole::kV, hidden, kv_out, attn + ".qkv", 2, attn);
+      add(attn + ".o_proj", l, -1, LinearRole::kO, q_out, hidden, attn + ".o", 2, attn);
+    }
 
     bool moe = false;
     if (entry->family == Family::kMixtral) {
       moe = true;
     } else if (entry->family == Family::kQwen3Moe) {
       moe = mlp_only_layers.count(l) == 0 && (l + 1) % sparse_step == 0;
-    } else if (entry->family == Family::kGlm4Moe) {
+    } else if (entry->family == Family::kGlm4Moe || entry->family == Family::kDeepseekV3) {
       moe = l >= first_k_dense;
     }
     arch.layer_is_moe[l] = moe;
     if (!moe) {
-      if ((entry->family == Family::kQwen3Moe || entry->family == Family::kGlm4Moe) &&
+      if ((entry->family == Family::kQwen3Moe || entry->family == Family::kGlm4Moe ||
+           entry->family == Family::kDeepseekV3) &&
           arch.intermediate_size <= 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "config.json: layer ", l, " is a dense MLP layer but `intermediate_size` is missing"));

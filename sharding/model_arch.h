@@ -5,8 +5,10 @@
 // which allocation group), the loader to query a model by (layer, role), and
 // the shard planner (later) to split them. Supported architectures: the ones
 // the runtime serves — LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-// Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM and
-// Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, GLM-4.5-Air: architectures.md §1).
+// Qwen3ForCausalLM, MixtralForCausalLM, Qwen3MoeForCausalLM,
+// Glm4MoeForCausalLM (GLM-4.5/4.6/4.7, GLM-4.5-Air: architectures.md §1) and
+// DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2: multi-head latent
+// attention, architectures.md §2).
 //
 //   EXL3_ASSIGN_OR_RETURN(ModelArch arch, ModelArchFromConfig(config_json));
 //   for (const LinearSpec& l : arch.linears) { ... l.key, l.in_features ... }
@@ -26,7 +28,12 @@
 
 namespace exl3serve::sharding {
 
-enum class LinearRole { kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead };
+// kQA, kQB, kKVA, kKVB: the MLA projections of DeepseekV3ForCausalLM
+// (`self_attn.q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`); its
+// plain `self_attn.q_proj` (q_lora_rank null) is kQ, `o_proj` kO.
+enum class LinearRole {
+  kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead, kQA, kQB, kKVA, kKVB
+};
 
 const char* LinearRoleName(LinearRole role);
 
@@ -72,6 +79,18 @@ struct ModelArch {
   // (`num_nextn_predict_layers`, GLM-4 MoE): counted, never built or converted.
   int num_mtp_layers = 0;
   bool tie_word_embeddings = false;
+  // Multi-head latent attention (DeepseekV3ForCausalLM, architectures.md §2):
+  // kv_lora_rank > 0. Then head_dim = qk_nope_head_dim + qk_rope_head_dim
+  // (a query head's width), num_key_value_heads = 1 (the latent "head" every
+  // query head reads: c_kv of kv_lora_rank plus the rope key of
+  // qk_rope_head_dim per token), o_proj's input is heads x v_head_dim, and
+  // q_lora_rank 0 means a plain q_proj (config null).
+  int64_t q_lora_rank = 0;
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  bool mla() const { return kv_lora_rank > 0; }
   std::vector<bool> layer_is_moe;       // per layer
   std::vector<LinearSpec> linears;      // layer order, head last
 

@@ -288,6 +288,14 @@ double OtherBytesEstimate(const ModelArch& arch, bool exl3) {
     const double correction = exl3 ? 2.0 : 4.0;
     for (bool moe : arch.layer_is_moe) bytes += moe ? correction * arch.num_experts : 0.0;
   }
+  if (arch.mla()) {
+    // DeepSeek-V3: q_a_layernorm and kv_a_layernorm per layer, each MoE
+    // layer's fp32 correction bias (fp16 once converted).
+    const double layers = static_cast<double>(arch.num_layers);
+    bytes += 2.0 * layers * static_cast<double>(arch.q_lora_rank + arch.kv_lora_rank);
+    const double correction = exl3 ? 2.0 : 4.0;
+    for (bool moe : arch.layer_is_moe) bytes += moe ? correction * arch.num_experts : 0.0;
+  }
   return bytes;
 }
 
@@ -341,7 +349,14 @@ absl::Status EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardP
       switch (spec.role) {
         case LinearRole::kQ:
         case LinearRole::kO:
+        case LinearRole::kQB:   // MLA: split by query heads
+        case LinearRole::kKVB:
           bytes += full * Fraction(layer.q_heads.size(), arch.num_attention_heads);
+          break;
+        case LinearRole::kQA:   // MLA: the layer input's down-projections, on every rank
+        case LinearRole::kKVA:
+          bytes += full;
+          replicated += full;
           break;
         case LinearRole::kK:
         case LinearRole::kV: {

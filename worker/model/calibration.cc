@@ -32,6 +32,9 @@ absl::StatusOr<std::unique_ptr<CalibrationHessians>> CalibrationHessians::Collec
     std::string source = l.key;
     if (l.role == LinearRole::kK || l.role == LinearRole::kV) {
       source = arch.Find(l.layer, LinearRole::kQ)->key;
+    } else if (l.role == LinearRole::kKVA) {  // MLA: reads the layer input, as q_a (or q) does
+      const LinearSpec* q = arch.Find(l.layer, LinearRole::kQA);
+      source = (q != nullptr ? q : arch.Find(l.layer, LinearRole::kQ))->key;
     } else if (l.role == LinearRole::kUp) {
       source = arch.Find(l.layer, LinearRole::kGate, l.expert)->key;
     }

@@ -1,5 +1,6 @@
 #include "worker/model/model_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 #include <string>
@@ -38,7 +39,75 @@ void AddTokenIds(const nlohmann::json& value, std::vector<int32_t>* ids) {
   }
 }
 
-absl::Status ReadRopeScaling(const nlohmann::json& config, int64_t max_positions,
+// mscale(f, m) of YaRN (architectures.md §2.1): 0.1·m·ln f + 1 for f > 1.
+double YarnMscale(double factor, double m) {
+  return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0;
+}
+
+absl::Status ReadNonNegativeDouble(const nlohmann::json& object, const char* where,
+                                   const char* key, double* out) {
+  auto it = object.find(key);
+  if (it == object.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number() || !(it->get<double>() >= 0.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, ": `", key, "` must be a number >= 0, got ", it->dump()));
+  }
+  *out = it->get<double>();
+  return absl::OkStatus();
+}
+
+// rope_scaling of type yarn, as DeepSeek-V3 / Kimi K2 configs give it.
+absl::Status ReadYarn(const nlohmann::json& scaling, int64_t max_positions, RopeScaling* out) {
+  const char* where = "config.json rope_scaling (yarn)";
+  out->type = RopeScalingType::kYarn;
+  if (!scaling.contains("factor")) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": `factor` is missing"));
+  }
+  if (auto s = ReadPositiveDouble(scaling, where, "factor", &out->factor); !s.ok()) return s;
+  if (auto it = scaling.find("attention_factor"); it != scaling.end() && !it->is_null()) {
+    return absl::UnimplementedError(absl::StrCat(
+        where, ": an explicit `attention_factor` is not supported (mscale/mscale_all_dim are)"));
+  }
+  if (auto s = ReadPositiveDouble(scaling, where, "beta_fast", &out->beta_fast); !s.ok()) return s;
+  if (auto s = ReadPositiveDouble(scaling, where, "beta_slow", &out->beta_slow); !s.ok()) return s;
+  // Kimi K2 gives beta_fast = beta_slow = 1 (a one-dim ramp).
+  if (out->beta_fast < out->beta_slow) {
+    return absl::InvalidArgumentError(absl::StrCat(where, ": `beta_fast` (", out->beta_fast,
+                                                   ") must be >= `beta_slow` (", out->beta_slow,
+                                                   ")"));
+  }
+  if (auto s = ReadNonNegativeDouble(scaling, where, "mscale", &out->mscale); !s.ok()) return s;
+  if (auto s = ReadNonNegativeDouble(scaling, where, "mscale_all_dim", &out->mscale_all_dim);
+      !s.ok()) {
+    return s;
+  }
+  double original = 0.0;
+  if (auto s = ReadPositiveDouble(scaling, where, "original_max_position_embeddings", &original);
+      !s.ok()) {
+    return s;
+  }
+  if (original > 0.0 && max_positions > 0) {
+    // transformers takes the frequency factor as max_position_embeddings /
+    // original_max_position_embeddings, DeepSeek's own code and exllamav3's
+    // softmax scale take `factor`: they agree in every published config,
+    // and a config where they do not is ambiguous.
+    const double ratio = static_cast<double>(max_positions) / original;
+    if (std::fabs(ratio - out->factor) > 1e-6 * out->factor) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": `factor` ", out->factor, " differs from max_position_embeddings / "
+          "original_max_position_embeddings = ", max_positions, " / ", original, " = ", ratio));
+    }
+  }
+  if (original <= 0.0) original = static_cast<double>(max_positions);
+  if (!(original > 0.0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, ": needs `original_max_position_embeddings` or a max_position_embeddings > 0"));
+  }
+  out->original_max_position_embeddings = static_cast<int64_t>(original);
+  return absl::OkStatus();
+}
+
+absl::Status ReadRopeScaling(const nlohmann::json& config, int64_t max_positions, bool allow_yarn,
                              RopeScaling* out) {
   auto it = config.find("rope_scaling");
   if (it == config.end() || it->is_null()) return absl::OkStatus();
@@ -83,8 +152,10 @@ absl::Status ReadRopeScaling(const nlohmann::json& config, int64_t max_positions
     }
     return absl::OkStatus();
   }
+  if (type == "yarn" && allow_yarn) return ReadYarn(*it, max_positions, out);
   return absl::UnimplementedError(absl::StrCat(
-      "config.json: rope_scaling type `", type, "` is not supported (default, linear, llama3)"));
+      "config.json: rope_scaling type `", type, "` is not supported (default, linear, llama3",
+      allow_yarn ? ", yarn" : "; yarn only for DeepseekV3ForCausalLM", ")"));
 }
 
 absl::Status ReadBool(const nlohmann::json& config, const char* key, bool fallback, bool* out) {
@@ -111,23 +182,23 @@ absl::Status RequireStringIfPresent(const nlohmann::json& config, const char* ke
   return absl::OkStatus();
 }
 
-// Glm4MoeForCausalLM's attention and routing keys (architectures.md §1.1);
-// the sizes and layer kinds are sharding::ModelArchFromConfig's.
-absl::Status ReadGlm4Moe(const nlohmann::json& config, ModelConfig* out) {
+// The sigmoid/noaux_tc routing keys of Glm4MoeForCausalLM and
+// DeepseekV3ForCausalLM (architectures.md §1.1, §2.3).
+absl::Status ReadSigmoidRouting(const nlohmann::json& config, ModelConfig* out) {
   const sharding::ModelArch& arch = out->arch;
-  if (auto s = ReadBool(config, "use_qk_norm", false, &out->qk_norm); !s.ok()) return s;
-  bool renormalize = true;  // transformers' Glm4MoeConfig default
+  bool renormalize = true;  // transformers' Glm4MoeConfig / DeepseekV3Config default
   if (auto s = ReadBool(config, "norm_topk_prob", true, &renormalize); !s.ok()) return s;
   out->moe_topk_weights = renormalize ? MoeTopKWeights::kRenormalized : MoeTopKWeights::kRaw;
   if (auto s = RequireStringIfPresent(config, "scoring_func", "sigmoid"); !s.ok()) return s;
   if (auto s = RequireStringIfPresent(config, "topk_method", "noaux_tc"); !s.ok()) return s;
   out->moe_router = MoeRouter::kSigmoidGrouped;
 
-  // exllamav3 defaults a missing routed_scaling_factor to 2.5, transformers
-  // to 1.0: a config without it is ambiguous, so it is required.
+  // exllamav3 and transformers default a missing routed_scaling_factor
+  // differently (GLM: 2.5 vs 1.0, DeepSeek: 1.0 vs 2.5): a config without it
+  // is ambiguous, so it is required.
   if (!config.contains("routed_scaling_factor")) {
-    return absl::InvalidArgumentError(
-        "config.json: `routed_scaling_factor` is missing (Glm4MoeForCausalLM needs it)");
+    return absl::InvalidArgumentError(absl::StrCat("config.json: `routed_scaling_factor` is missing (",
+                                                   arch.architecture, " needs it)"));
   }
   out->routed_scaling_factor = 0.0;
   if (auto s = ReadPositiveDouble(config, "config.json", "routed_scaling_factor",
@@ -137,19 +208,6 @@ absl::Status ReadGlm4Moe(const nlohmann::json& config, ModelConfig* out) {
                         "config.json: `routed_scaling_factor` must be a positive number, got null")
                   : s;
   }
-
-  double factor = 1.0;
-  if (auto s = ReadPositiveDouble(config, "config.json", "partial_rotary_factor", &factor);
-      !s.ok()) {
-    return s;
-  }
-  const int64_t rotary = static_cast<int64_t>(static_cast<double>(arch.head_dim) * factor);
-  if (factor > 1.0 || rotary <= 0 || rotary % 2 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "config.json: `partial_rotary_factor` ", factor, " x head_dim ", arch.head_dim,
-        " must give an even number of rotary dims in [2, head_dim], got ", rotary));
-  }
-  out->rotary_dim = rotary;
 
   auto read_int = [&](const char* key, int64_t* value) -> absl::Status {
     auto it = config.find(key);
@@ -180,6 +238,66 @@ absl::Status ReadGlm4Moe(const nlohmann::json& config, ModelConfig* out) {
   return absl::OkStatus();
 }
 
+// Glm4MoeForCausalLM's attention keys (architectures.md §1.1) and routing;
+// the sizes and layer kinds are sharding::ModelArchFromConfig's.
+absl::Status ReadGlm4Moe(const nlohmann::json& config, ModelConfig* out) {
+  const sharding::ModelArch& arch = out->arch;
+  if (auto s = ReadBool(config, "use_qk_norm", false, &out->qk_norm); !s.ok()) return s;
+  if (auto s = ReadSigmoidRouting(config, out); !s.ok()) return s;
+  double factor = 1.0;
+  if (auto s = ReadPositiveDouble(config, "config.json", "partial_rotary_factor", &factor);
+      !s.ok()) {
+    return s;
+  }
+  const int64_t rotary = static_cast<int64_t>(static_cast<double>(arch.head_dim) * factor);
+  if (factor > 1.0 || rotary <= 0 || rotary % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `partial_rotary_factor` ", factor, " x head_dim ", arch.head_dim,
+        " must give an even number of rotary dims in [2, head_dim], got ", rotary));
+  }
+  out->rotary_dim = rotary;
+  return absl::OkStatus();
+}
+
+// DeepseekV3ForCausalLM (DeepSeek-V3/R1, Kimi K2; architectures.md §2): MLA
+// RoPE and softmax scale, routing as GLM's.
+absl::Status ReadDeepseekV3(const nlohmann::json& config, ModelConfig* out) {
+  const sharding::ModelArch& arch = out->arch;
+  if (auto s = ReadSigmoidRouting(config, out); !s.ok()) return s;
+  bool interleave = true;
+  if (auto s = ReadBool(config, "rope_interleave", true, &interleave); !s.ok()) return s;
+  if (!interleave) {
+    return absl::UnimplementedError(
+        "config.json: `rope_interleave` false is not supported (DeepSeek-V3 rotates interleaved "
+        "pairs)");
+  }
+  bool bias = false;
+  if (auto s = ReadBool(config, "attention_bias", false, &bias); !s.ok()) return s;
+  if (bias) {
+    return absl::UnimplementedError(
+        "config.json: `attention_bias` true is not supported for DeepseekV3ForCausalLM");
+  }
+  out->rotary_dim = arch.qk_rope_head_dim;
+  out->attention_softmax_scale = 1.0 / std::sqrt(static_cast<double>(arch.head_dim));
+  const RopeScaling& yarn = out->rope_scaling;
+  if (yarn.type == RopeScalingType::kYarn) {
+    // transformers' _compute_yarn_parameters: the cos/sin factor.
+    out->rope_attention_factor = yarn.mscale > 0.0 && yarn.mscale_all_dim > 0.0
+                                     ? YarnMscale(yarn.factor, yarn.mscale) /
+                                           YarnMscale(yarn.factor, yarn.mscale_all_dim)
+                                     : YarnMscale(yarn.factor, 1.0);
+    // DeepseekV3Attention: "once for q, once for k".
+    if (yarn.mscale_all_dim > 0.0) {
+      const double m = YarnMscale(yarn.factor, yarn.mscale_all_dim);
+      out->attention_softmax_scale *= m * m;
+    }
+  } else if (yarn.type != RopeScalingType::kNone) {
+    return absl::UnimplementedError(
+        "config.json: DeepseekV3ForCausalLM supports rope_scaling yarn or none");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
@@ -203,7 +321,11 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
       it != config.end() && it->is_number_integer()) {
     max_positions = it->get<int64_t>();
   }
-  if (auto s = ReadRopeScaling(config, max_positions, &out.rope_scaling); !s.ok()) return s;
+  if (auto s = ReadRopeScaling(config, max_positions, /*allow_yarn=*/out.arch.mla(),
+                               &out.rope_scaling);
+      !s.ok()) {
+    return s;
+  }
 
   if (auto it = config.find("hidden_act"); it != config.end() && it->is_string() &&
                                            it->get<std::string>() != "silu") {
@@ -236,6 +358,9 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
   if (name == "Glm4MoeForCausalLM") {
     if (auto s = ReadGlm4Moe(config, &out); !s.ok()) return s;
   }
+  if (name == "DeepseekV3ForCausalLM") {
+    if (auto s = ReadDeepseekV3(config, &out); !s.ok()) return s;
+  }
 
   if (auto it = config.find("bos_token_id"); it != config.end() && it->is_number_integer()) {
     out.bos_token_id = it->get<int32_t>();
@@ -256,7 +381,25 @@ std::vector<double> RopeInverseFrequencies(const ModelConfig& config) {
     inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / dim);
   }
   const RopeScaling& s = config.rope_scaling;
-  if (s.type == RopeScalingType::kLinear) {
+  if (s.type == RopeScalingType::kYarn) {
+    // transformers' _compute_yarn_parameters (truncate = true): dims below
+    // `low` keep their frequency, above `high` take frequency / factor, a
+    // linear ramp between; low/high are the dims whose wavelength makes
+    // beta_fast / beta_slow turns over original_max_position_embeddings.
+    const double original = static_cast<double>(s.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(dim) * std::log(original / (rotations * 2.0 * std::numbers::pi)) /
+             (2.0 * std::log(config.rope_theta));
+    };
+    double low = std::max(0.0, std::floor(correction_dim(s.beta_fast)));
+    double high = std::min(static_cast<double>(dim - 1), std::ceil(correction_dim(s.beta_slow)));
+    if (low == high) high += 0.001;
+    for (int64_t i = 0; i < dim / 2; ++i) {
+      const double ramp =
+          std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+      inv_freq[i] = inv_freq[i] / s.factor * ramp + inv_freq[i] * (1.0 - ramp);
+    }
+  } else if (s.type == RopeScalingType::kLinear) {
     for (double& f : inv_freq) f /= s.factor;
   } else if (s.type == RopeScalingType::kLlama3) {
     // Wavelengths shorter than original/high_freq_factor keep their frequency,

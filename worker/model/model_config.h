@@ -8,8 +8,10 @@
 //
 // Model equations are those of the Hugging Face implementations of
 // LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-// MixtralForCausalLM, Qwen3MoeForCausalLM and Glm4MoeForCausalLM (the
-// transformers `modeling_glm4_moe.py` equations; architectures.md §1).
+// MixtralForCausalLM, Qwen3MoeForCausalLM, Glm4MoeForCausalLM (the
+// transformers `modeling_glm4_moe.py` equations; architectures.md §1) and
+// DeepseekV3ForCausalLM (`modeling_deepseek_v3.py`, MLA with YaRN;
+// architectures.md §2; also Kimi K2).
 #ifndef EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
 #define EXL3SERVE_WORKER_MODEL_MODEL_CONFIG_H_
 
@@ -26,6 +28,11 @@ enum class RopeScalingType {
   kNone,    // rope_scaling absent, null or "default"
   kLinear,  // positions divided by `factor` (inverse frequencies / factor)
   kLlama3,  // Llama 3.1: per-frequency interpolation between 1 and 1/factor
+  // YaRN (DeepseekV3ForCausalLM only): a linear ramp between the original
+  // frequency and frequency/factor over the dims between the correction
+  // dims of beta_fast and beta_slow (RopeInverseFrequencies), cos/sin scaled
+  // by ModelConfig::rope_attention_factor.
+  kYarn,
 };
 
 struct RopeScaling {
@@ -33,7 +40,11 @@ struct RopeScaling {
   double factor = 1.0;
   double low_freq_factor = 1.0;                  // llama3 only
   double high_freq_factor = 4.0;                 // llama3 only
-  int64_t original_max_position_embeddings = 0;  // llama3 only
+  int64_t original_max_position_embeddings = 0;  // llama3, yarn
+  double beta_fast = 32.0;                       // yarn only
+  double beta_slow = 1.0;                        // yarn only
+  double mscale = 0.0;                           // yarn only; 0 = absent
+  double mscale_all_dim = 0.0;                   // yarn only; 0 = absent
 };
 
 // How the top-k router weights of an MoE layer are turned into mixing weights
@@ -75,6 +86,17 @@ struct ModelConfig {
   int moe_n_group = 1;              // kSigmoidGrouped: expert groups (n_group)
   int moe_topk_group = 1;           // kSigmoidGrouped: groups kept (topk_group)
   double routed_scaling_factor = 1.0;  // multiplies the routed experts' weights
+  // MLA (arch.mla(), DeepseekV3ForCausalLM): RoPE acts on the last
+  // qk_rope_head_dim dims of every query head and on the shared rope key, in
+  // GPT-J style (pairs 2i, 2i + 1: transformers' rope_interleave, the only
+  // layout supported), with cos and sin multiplied by rope_attention_factor
+  // (YaRN: mscale(f', mscale) / mscale(f', mscale_all_dim), f' the frequency
+  // factor; 1 without YaRN). The attention softmax scale is
+  // (qk_nope + qk_rope)^-0.5, times mscale(rope_scaling.factor,
+  // mscale_all_dim)^2 under YaRN when mscale_all_dim is given
+  // (architectures.md §2.2 step 6); mscale(f, m) = 0.1·m·ln f + 1 for f > 1.
+  double rope_attention_factor = 1.0;
+  double attention_softmax_scale = 0.0;  // 0: 1/sqrt(head_dim)
   int32_t bos_token_id = -1;            // -1: none
   std::vector<int32_t> eos_token_ids;   // config.json and generation_config.json, merged
 };
@@ -91,6 +113,13 @@ struct ModelConfig {
 // topk_group (1..n_group, keeping at least num_experts_per_tok experts) or
 // use_qk_norm / norm_topk_prob of the wrong type; Unimplemented for a
 // scoring_func other than sigmoid or a topk_method other than noaux_tc.
+// DeepseekV3ForCausalLM: the same routing keys (routed_scaling_factor is
+// required: exllamav3 defaults it to 1.0, transformers to 2.5); rope_scaling
+// may be yarn (factor > 0; beta_fast >= beta_slow > 0; mscale and
+// mscale_all_dim >= 0; original_max_position_embeddings > 0, else
+// max_position_embeddings); Unimplemented for rope_interleave false,
+// attention_bias true or a yarn attention_factor (not in published
+// configs). The yarn type is refused for the other architectures.
 absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
                                                 const nlohmann::json* generation_config);
 
