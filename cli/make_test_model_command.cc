@@ -1,7 +1,7 @@
 // `exl3serve make-test-model`: a small random HF-format model.
 // `exl3serve make-demo-model`: the same with demo defaults (vocab 151 936,
 // peaked logits, Qwen3 special ids) and the real Qwen3 tokenizer files
-// (llama, qwen3, qwen3-moe and glm4-moe).
+// (llama, qwen3, qwen3-moe, glm4-moe and deepseek-v3).
 #include <cstdio>
 #include <memory>
 
@@ -35,17 +35,24 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
   app.add_option("--arch", args->model.arch,
-                 "llama | qwen3 | qwen3-moe | mixtral | glm4-moe (glm4-moe starts from its own "
-                 "odd-sized shape, sharding::Glm4MoeTestDefaults; shape options given win)")
+                 "llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3 (glm4-moe and "
+                 "deepseek-v3 start from their own odd-sized shapes, "
+                 "sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults; shape options given win)")
       ->capture_default_str();
   AddModelOptions(app, &args->model);
+  auto no_q_lora = std::make_shared<bool>(false);
+  app.add_flag("--no-q-lora", *no_q_lora,
+               "deepseek-v3: q_lora_rank null (a plain q_proj instead of q_a_proj + q_b_proj)");
   app.add_flag("--tie-embeddings", args->model.tie_word_embeddings);
   app.add_flag("--peaked-logits", args->model.peaked_logits,
                "large logit margins: greedy decoding is deterministic under batching and "
                "quantization (ignored with --tie-embeddings)");
-  return [args, &app]() -> absl::Status {
-    if (args->model.arch == "glm4-moe") {
-      sharding::TestModelOptions glm = sharding::Glm4MoeTestDefaults();
+  return [args, no_q_lora, &app]() -> absl::Status {
+    if (args->model.arch == "glm4-moe" || args->model.arch == "deepseek-v3") {
+      sharding::TestModelOptions glm = args->model.arch == "glm4-moe"
+                                           ? sharding::Glm4MoeTestDefaults()
+                                           : sharding::DeepseekV3TestDefaults();
+      if (*no_q_lora) glm.q_lora_rank = 0;
       const sharding::TestModelOptions& given = args->model;
       if (app.count("--layers") > 0) glm.num_layers = given.num_layers;
       if (app.count("--hidden") > 0) glm.hidden_size = given.hidden_size;
@@ -75,8 +82,9 @@ CommandRunner RegisterMakeDemoModelCommand(CLI::App& app) {
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
   app.add_option("--arch", args->arch,
-                 "llama | qwen3 | qwen3-moe | glm4-moe (glm4-moe: the make-test-model shape, "
-                 "sharding::Glm4MoeTestDefaults, with the demo vocab and peaked logits)")
+                 "llama | qwen3 | qwen3-moe | glm4-moe | deepseek-v3 (glm4-moe, deepseek-v3: the "
+                 "make-test-model shape, sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults, "
+                 "with the demo vocab and peaked logits)")
       ->capture_default_str();
   app.add_option("--tokenizer-dir", args->tokenizer_dir,
                  "holds the Qwen3 tokenizer.json and tokenizer_config.json "

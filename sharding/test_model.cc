@@ -157,9 +157,48 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     config["use_qk_norm"] = o.use_qk_norm;
     config["num_nextn_predict_layers"] = o.num_mtp_layers;
     config["rms_norm_eps"] = 1e-5;
+  } else if (o.arch == "deepseek-v3") {
+    config["architectures"] = {"DeepseekV3ForCausalLM"};
+    config["model_type"] = "deepseek_v3";
+    config.erase("head_dim");
+    config["num_key_value_heads"] = o.num_attention_heads;  // unused by MLA, as published
+    config["intermediate_size"] = o.intermediate_size;
+    config["moe_intermediate_size"] = o.moe_intermediate_size;
+    config["n_routed_experts"] = o.num_experts;
+    config["num_experts_per_tok"] = o.num_experts_per_token;
+    config["n_shared_experts"] = o.n_shared_experts;
+    config["first_k_dense_replace"] = o.first_k_dense_replace;
+    config["moe_layer_freq"] = 1;
+    config["n_group"] = o.n_group;
+    config["topk_group"] = o.topk_group;
+    config["norm_topk_prob"] = true;
+    config["scoring_func"] = "sigmoid";
+    config["topk_method"] = "noaux_tc";
+    config["routed_scaling_factor"] = o.routed_scaling_factor;
+    config["q_lora_rank"] =
+        o.q_lora_rank > 0 ? nlohmann::json(o.q_lora_rank) : nlohmann::json(nullptr);
+    config["kv_lora_rank"] = o.kv_lora_rank;
+    config["qk_nope_head_dim"] = o.qk_nope_head_dim;
+    config["qk_rope_head_dim"] = o.qk_rope_head_dim;
+    config["v_head_dim"] = o.v_head_dim;
+    config["attention_bias"] = false;
+    config["num_nextn_predict_layers"] = o.num_mtp_layers;
+    config["rms_norm_eps"] = 1e-6;
+    if (o.yarn_factor > 1.0) {
+      config["max_position_embeddings"] = static_cast<int64_t>(
+          std::llround(o.yarn_factor * static_cast<double>(o.yarn_original_max_positions)));
+      config["rope_scaling"] = {{"type", "yarn"},
+                                {"factor", o.yarn_factor},
+                                {"original_max_position_embeddings", o.yarn_original_max_positions},
+                                {"beta_fast", 32},
+                                {"beta_slow", 1},
+                                {"mscale", o.yarn_mscale},
+                                {"mscale_all_dim", o.yarn_mscale_all_dim}};
+    }
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--arch must be llama, qwen3, qwen3-moe, mixtral or glm4-moe, got `", o.arch, "`"));
+        "--arch must be llama, qwen3, qwen3-moe, mixtral, glm4-moe or deepseek-v3, got `", o.arch,
+        "`"));
   }
   for (size_t i = 0; i < o.peaked_targets.size(); ++i) {
     const int32_t t = o.peaked_targets[i];
@@ -194,6 +233,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
   tensors.push_back(TensorFromHalfBits("model.embed_tokens.weight", DType::kBF16,
                                        {o.vocab_size, hidden}, embed));
   const bool glm = o.arch == "glm4-moe";
+  const bool deepseek = o.arch == "deepseek-v3";
   const bool qk_norm = o.arch == "qwen3" || o.arch == "qwen3-moe" || (glm && o.use_qk_norm);
   // GLM: biases of a visible size (q/k/v) and the router's correction bias,
   // of the size of the sigmoid scores' spread, so it changes the choice.
@@ -203,9 +243,11 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     for (auto& b : bits) b = FloatToBf16Bits(normal(rng));
     return bits;
   };
+  int normed_layer = -1;  // the last layer whose norms are written
   for (const LinearSpec& l : arch.linears) {
     if (l.is_head && o.tie_word_embeddings) continue;
-    if (l.layer >= 0 && l.role == LinearRole::kQ) {
+    if (l.layer >= 0 && l.layer != normed_layer) {
+      normed_layer = l.layer;
       const std::string layer = absl::StrCat("model.layers.", l.layer);
       tensors.push_back(TensorFromHalfBits(layer + ".input_layernorm.weight", DType::kBF16,
                                            {hidden}, RandomNorm(rng, hidden)));
@@ -217,6 +259,16 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                              {hd}, RandomNorm(rng, hd)));
         tensors.push_back(TensorFromHalfBits(layer + ".self_attn.k_norm.weight", DType::kBF16,
                                              {hd}, RandomNorm(rng, hd)));
+      }
+      if (deepseek) {
+        if (arch.q_lora_rank > 0) {
+          tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_a_layernorm.weight",
+                                               DType::kBF16, {arch.q_lora_rank},
+                                               RandomNorm(rng, arch.q_lora_rank)));
+        }
+        tensors.push_back(TensorFromHalfBits(layer + ".self_attn.kv_a_layernorm.weight",
+                                             DType::kBF16, {arch.kv_lora_rank},
+                                             RandomNorm(rng, arch.kv_lora_rank)));
       }
     }
     std::vector<uint16_t> weight = RandomLinear(rng, l.out_features, l.in_features);
@@ -244,7 +296,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
       tensors.push_back(TensorFromHalfBits(l.key + ".bias", DType::kBF16, {l.out_features},
                                            random_vector(l.out_features, 0.5f)));
     }
-    if (glm && l.role == LinearRole::kRouter) {
+    if ((glm || deepseek) && l.role == LinearRole::kRouter) {
       std::normal_distribution<float> normal(0.0f, 0.1f);
       std::vector<float> bias(l.out_features);
       for (float& b : bias) b = normal(rng);
@@ -252,7 +304,7 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                          std::move(bias)));
     }
   }
-  if (glm) {
+  if (glm || deepseek) {
     // MTP layers: stored after the last layer, never built (a subset of
     // their tensors is enough to show they are skipped).
     for (int m = 0; m < o.num_mtp_layers; ++m) {
@@ -266,6 +318,16 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                            {hidden, 2 * hidden},
                                            RandomLinear(rng, hidden, 2 * hidden)));
       const int64_t q_out = arch.num_attention_heads * arch.head_dim;
+      if (deepseek) {
+        const int64_t latent = arch.kv_lora_rank + arch.qk_rope_head_dim;
+        tensors.push_back(TensorFromHalfBits(layer + ".self_attn.kv_a_proj_with_mqa.weight",
+                                             DType::kBF16, {latent, hidden},
+                                             RandomLinear(rng, latent, hidden)));
+        tensors.push_back(TensorFromHalfBits(layer + ".mlp.experts.0.up_proj.weight", DType::kBF16,
+                                             {o.moe_intermediate_size, hidden},
+                                             RandomLinear(rng, o.moe_intermediate_size, hidden)));
+        continue;
+      }
       tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_proj.weight", DType::kBF16,
                                            {q_out, hidden}, RandomLinear(rng, q_out, hidden)));
       tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_proj.bias", DType::kBF16,
@@ -326,14 +388,37 @@ TestModelOptions Glm4MoeTestDefaults() {
   return o;
 }
 
+TestModelOptions DeepseekV3TestDefaults() {
+  TestModelOptions o = Glm4MoeTestDefaults();
+  o.arch = "deepseek-v3";
+  o.moe_intermediate_size = 96;
+  o.num_experts_per_token = 3;
+  o.num_attention_heads = 5;
+  o.num_key_value_heads = 5;
+  o.head_dim = 0;
+  o.q_lora_rank = 72;
+  o.kv_lora_rank = 56;
+  o.qk_nope_head_dim = 24;
+  o.qk_rope_head_dim = 16;
+  o.v_head_dim = 20;
+  o.yarn_factor = 4.0;
+  o.yarn_original_max_positions = 64;
+  o.yarn_mscale = 1.0;
+  o.yarn_mscale_all_dim = 0.8;
+  return o;
+}
+
 absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch) {
-  if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe" && arch != "glm4-moe") {
+  if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe" && arch != "glm4-moe" &&
+      arch != "deepseek-v3") {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--arch must be llama, qwen3, qwen3-moe or glm4-moe, got `", arch, "`"));
+        "--arch must be llama, qwen3, qwen3-moe, glm4-moe or deepseek-v3, got `", arch, "`"));
   }
-  // glm4-moe keeps its test shape (Glm4MoeTestDefaults): the dense first
-  // layer, grouped routing and the shared expert are what the demo shows.
-  TestModelOptions o = arch == "glm4-moe" ? Glm4MoeTestDefaults() : TestModelOptions{};
+  // glm4-moe and deepseek-v3 keep their test shapes: the dense first layer,
+  // grouped routing, the shared expert (and MLA) are what the demo shows.
+  TestModelOptions o = arch == "glm4-moe"      ? Glm4MoeTestDefaults()
+                       : arch == "deepseek-v3" ? DeepseekV3TestDefaults()
+                                               : TestModelOptions{};
   o.arch = arch;
   o.vocab_size = kDemoVocabSize;
   o.peaked_logits = true;

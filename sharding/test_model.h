@@ -20,7 +20,7 @@
 namespace exl3serve::sharding {
 
 struct TestModelOptions {
-  std::string arch = "llama";  // llama | qwen3 | qwen3-moe | mixtral | glm4-moe
+  std::string arch = "llama";  // llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3
   int num_layers = 2;
   int64_t hidden_size = 256;
   int64_t intermediate_size = 640;  // dense MLP; MoE experts use moe_intermediate_size
@@ -46,6 +46,21 @@ struct TestModelOptions {
   int n_shared_experts = 1;
   double routed_scaling_factor = 2.5;
   int num_mtp_layers = 1;
+  // deepseek-v3 only (DeepseekV3ForCausalLM, architectures.md §2): MLA
+  // widths (q_lora_rank 0 writes `q_lora_rank: null` and a plain q_proj),
+  // YaRN rope scaling of yarn_factor over yarn_original_max_positions
+  // (max_position_embeddings = their product) with these mscales; the
+  // routing, shared experts, dense first layers and MTP layers as glm4-moe.
+  // DeepseekV3TestDefaults() gives the odd-sized test shape.
+  int64_t q_lora_rank = 72;
+  int64_t kv_lora_rank = 56;
+  int64_t qk_nope_head_dim = 24;
+  int64_t qk_rope_head_dim = 16;
+  int64_t v_head_dim = 20;
+  double yarn_factor = 4.0;
+  int64_t yarn_original_max_positions = 64;
+  double yarn_mscale = 1.0;
+  double yarn_mscale_all_dim = 0.8;
   bool tie_word_embeddings = false;
   uint64_t seed = 1;
   int num_shards = 1;  // > 1 writes model-0000K-of-0000N + index
@@ -77,6 +92,15 @@ struct TestModelOptions {
 // routed_scaling_factor 2.5, one MTP layer, vocab 1000.
 TestModelOptions Glm4MoeTestDefaults();
 
+// The deepseek-v3 test shape: hidden 200, 3 layers (the first dense, dense
+// MLP 300), 5 query heads of nope 24 + rope 16 with v 20, q_lora_rank 72,
+// kv_lora_rank 56, YaRN (factor 4 over 64 positions, mscale 1,
+// mscale_all_dim 0.8: both the cos/sin and the softmax-scale corrections
+// differ from 1), 12 experts of width 96 in 4 groups of which 2 are kept, 3
+// chosen per token, one shared expert, routed_scaling_factor 2.5, one MTP
+// layer, vocab 1000.
+TestModelOptions DeepseekV3TestDefaults();
+
 // Writes config.json, generation_config.json and the weights (BF16) into `dir`
 // (created if missing). Errors: InvalidArgument for an unknown arch or bad
 // size; I/O errors naming the path.
@@ -94,10 +118,11 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& opti
 // The Qwen3 vocabulary as HF Qwen3 configs pad it (151 669 tokens -> 151 936).
 inline constexpr int64_t kDemoVocabSize = 151936;
 
-// Demo defaults for `arch` (llama | qwen3 | qwen3-moe | glm4-moe): 2 layers,
-// hidden 256, head_dim 64 (glm4-moe: the shape of Glm4MoeTestDefaults — 3
-// layers, the first dense, 12 experts in 4 groups of which 2 are kept, a
-// shared expert, MTP tensors), vocab kDemoVocabSize, peaked logits, untied
+// Demo defaults for `arch` (llama | qwen3 | qwen3-moe | glm4-moe |
+// deepseek-v3): 2 layers, hidden 256, head_dim 64 (glm4-moe: the shape of
+// Glm4MoeTestDefaults — 3 layers, the first dense, 12 experts in 4 groups of
+// which 2 are kept, a shared expert, MTP tensors; deepseek-v3 likewise that
+// of DeepseekV3TestDefaults), vocab kDemoVocabSize, peaked logits, untied
 // lm_head (convert it with --head-bits 16: a 151 936-row head quantized would
 // dominate the conversion time), Qwen3's special ids (BOS <|endoftext|>
 // 151643, EOS <|im_end|> 151645 and <|endoftext|>). InvalidArgument for

@@ -76,18 +76,24 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
         absl::StrCat("kv_cache.page_size_tokens and kv_cache.num_pages must be > 0, got ",
                      options.page_size_tokens, " and ", options.num_pages));
   }
-  if (options.dtype == KvCacheDtype::kInt4 && shape.head_dim % 2 != 0) {
+  if (shape.value_dim < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("kv cache: 4-bit entries need an even head_dim, got ", shape.head_dim));
+        absl::StrCat("kv cache: value_dim must be >= 0, got ", shape.value_dim));
+  }
+  if (options.dtype == KvCacheDtype::kInt4 && (shape.head_dim % 2 != 0 || shape.v_dim() % 2 != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "kv cache: 4-bit entries need an even head_dim and value width, got ", shape.head_dim,
+        " and ", shape.v_dim()));
   }
   PagedKvCache cache;
   cache.shape_ = shape;
   cache.options_ = options;
-  const int64_t entry = cache.EntryStride();
+  // One position's key and value entries of every head.
+  const int64_t entry = cache.EntryStride(shape.head_dim) + cache.EntryStride(shape.v_dim());
   // The pool's size in overflow-checked arithmetic: num_pages and
   // page_size_tokens come from the cluster config via the Setup message.
   int64_t per_page = 0, pool_bytes = 0;
-  if (__builtin_mul_overflow(int64_t{shape.num_layers} * 2 * shape.num_kv_heads, entry, &per_page) ||
+  if (__builtin_mul_overflow(int64_t{shape.num_layers} * shape.num_kv_heads, entry, &per_page) ||
       __builtin_mul_overflow(per_page, int64_t{options.page_size_tokens}, &per_page) ||
       __builtin_mul_overflow(per_page, options.num_pages, &pool_bytes) ||
       pool_bytes > MachineMemoryBytes()) {
@@ -111,27 +117,29 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
   return cache;
 }
 
-int64_t PagedKvCache::EntryBytes() const {
+int64_t PagedKvCache::EntryBytes(int dim) const {
   switch (options_.dtype) {
-    case KvCacheDtype::kFp32: return 4 * int64_t{shape_.head_dim};
-    case KvCacheDtype::kFp16: return 2 * int64_t{shape_.head_dim};
-    case KvCacheDtype::kInt8: return shape_.head_dim;
-    case KvCacheDtype::kInt4: return shape_.head_dim / 2;
+    case KvCacheDtype::kFp32: return 4 * int64_t{dim};
+    case KvCacheDtype::kFp16: return 2 * int64_t{dim};
+    case KvCacheDtype::kInt8: return dim;
+    case KvCacheDtype::kInt4: return dim / 2;
   }
   return 0;
 }
 
-int64_t PagedKvCache::EntryStride() const {
+int64_t PagedKvCache::EntryStride(int dim) const {
   const bool scaled = options_.dtype == KvCacheDtype::kInt8 || options_.dtype == KvCacheDtype::kInt4;
-  return EntryBytes() + (scaled ? kScaleBytes : 0);
+  return EntryBytes(dim) + (scaled ? kScaleBytes : 0);
 }
 
 uint8_t* PagedKvCache::EntryPtr(int64_t page, int layer, int which, int64_t slot, int head) {
-  const int64_t entry = EntryStride();
-  const int64_t index =
-      ((int64_t{layer} * 2 + which) * options_.page_size_tokens + slot) * shape_.num_kv_heads +
-      head;
-  return pool_.data() + page * bytes_per_page_ + index * entry;
+  const int64_t k_entry = EntryStride(shape_.head_dim);
+  const int64_t v_entry = EntryStride(shape_.v_dim());
+  const int64_t block = options_.page_size_tokens * shape_.num_kv_heads;  // entries of one k|v
+  const int64_t index = slot * shape_.num_kv_heads + head;
+  int64_t offset = int64_t{layer} * block * (k_entry + v_entry);
+  offset += which == 0 ? index * k_entry : block * k_entry + index * v_entry;
+  return pool_.data() + page * bytes_per_page_ + offset;
 }
 
 const uint8_t* PagedKvCache::EntryPtr(int64_t page, int layer, int which, int64_t slot,
@@ -297,13 +305,13 @@ void PagedKvCache::Write(int64_t seq_id, int layer, int64_t start, int64_t count
   EXL3_CHECK(layer >= 0 && layer < shape_.num_layers && start >= 0 &&
              start + count <= static_cast<int64_t>(seq.pages.size()) * page_size)
       << "write of [" << start << ", " << start + count << ") beyond reserved pages";
-  const int hd = shape_.head_dim;
-  std::vector<int8_t> q(hd);
+  std::vector<int8_t> q(std::max(shape_.head_dim, shape_.v_dim()));
   for (int64_t t = 0; t < count; ++t) {
     const int64_t pos = start + t;
     const int64_t page = seq.pages[pos / page_size];
     const int64_t slot = pos % page_size;
     for (int which = 0; which < 2; ++which) {
+      const int hd = which == 0 ? shape_.head_dim : shape_.v_dim();
       const float* src = (which == 0 ? k : v) + t * shape_.num_kv_heads * hd;
       for (int h = 0; h < shape_.num_kv_heads; ++h) {
         uint8_t* entry = EntryPtr(page, layer, which, slot, h);
@@ -342,11 +350,11 @@ void PagedKvCache::Read(int64_t seq_id, int layer, int64_t begin, int64_t end, f
   EXL3_CHECK(layer >= 0 && layer < shape_.num_layers && begin >= 0 && begin <= end &&
              end <= static_cast<int64_t>(seq.pages.size()) * page_size)
       << "read of [" << begin << ", " << end << ") beyond reserved pages";
-  const int hd = shape_.head_dim;
   for (int64_t pos = begin; pos < end; ++pos) {
     const int64_t page = seq.pages[pos / page_size];
     const int64_t slot = pos % page_size;
     for (int which = 0; which < 2; ++which) {
+      const int hd = which == 0 ? shape_.head_dim : shape_.v_dim();
       float* dst = (which == 0 ? k : v) + (pos - begin) * shape_.num_kv_heads * hd;
       for (int h = 0; h < shape_.num_kv_heads; ++h) {
         const uint8_t* entry = EntryPtr(page, layer, which, slot, h);

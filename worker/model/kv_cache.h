@@ -47,7 +47,13 @@ namespace exl3serve::worker {
 struct KvCacheShape {
   int num_layers = 0;
   int num_kv_heads = 0;
-  int head_dim = 0;
+  int head_dim = 0;  // width of a key entry
+  // Width of a value entry; 0 = head_dim. Multi-head latent attention
+  // (DeepseekV3ForCausalLM) stores one "head" per position: the normalized
+  // latent c_kv (kv_lora_rank) as its key and the roped key k_pe
+  // (qk_rope_head_dim) as its value, each with its own scale when int8/int4.
+  int value_dim = 0;
+  int v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
 };
 
 
@@ -120,7 +126,8 @@ class PagedKvCache {
   }
 
   // Stores keys and values of positions [start, start + count) of `layer`;
-  // k and v are [count][num_kv_heads][head_dim]. Requires: the sequence
+  // k is [count][num_kv_heads][head_dim], v [count][num_kv_heads][v_dim()].
+  // Requires: the sequence
   // exists and has reserved start + count positions (CHECKed).
   void Write(int64_t seq_id, int layer, int64_t start, int64_t count, const float* k,
              const float* v);
@@ -138,10 +145,11 @@ class PagedKvCache {
     int64_t length = 0;
   };
   PagedKvCache() = default;
-  // Bytes of one (position, head) entry's values, excluding the scale.
-  int64_t EntryBytes() const;
-  // EntryBytes() plus the fp32 scale of the int formats.
-  int64_t EntryStride() const;
+  // Bytes of one (position, head) entry's values of width `dim`, excluding
+  // the scale.
+  int64_t EntryBytes(int dim) const;
+  // EntryBytes(dim) plus the fp32 scale of the int formats.
+  int64_t EntryStride(int dim) const;
   uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head);
   const uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head) const;
   const Sequence& Get(int64_t seq_id) const;
@@ -149,8 +157,9 @@ class PagedKvCache {
   KvCacheShape shape_;
   KvCacheOptions options_;
   int64_t bytes_per_page_ = 0;
-  // Page layout: [layer][k|v][slot][head] entries of EntryStride() bytes
-  // (int formats: the fp32 scale, then the values).
+  // Page layout: [layer][k|v][slot][head] entries of EntryStride(head_dim)
+  // bytes (keys) and EntryStride(v_dim()) bytes (values) (int formats: the
+  // fp32 scale, then the values).
   std::vector<uint8_t> pool_;
   std::vector<int64_t> free_pages_;
   // Holders of every page (0 = free, in free_pages_) and the latest one

@@ -44,6 +44,32 @@ absl::StatusOr<std::vector<float>> LoadVector(const sharding::Exl3Model& model,
 
 inline float Silu(float x) { return x / (1.0f + std::exp(-x)); }
 
+// GPT-J (interleaved) RoPE on dims [offset, offset + rot) of every head of
+// x [tokens][heads][head_stride]: pair (offset + 2i, offset + 2i + 1) of the
+// token at positions[t] turns by positions[t]·inv_freq[i], with cos and sin
+// multiplied by `scale` (YaRN's attention factor). This is transformers'
+// apply_rotary_pos_emb_interleave up to the order of the rotated dims, which
+// it de-interleaves into [evens | odds] in q and k alike (dot products, all
+// attention sees of them, are the same).
+void ApplyInterleavedRope(float* x, int64_t tokens, int64_t heads, int64_t head_stride,
+                          int64_t offset, int64_t rot, const int64_t* positions,
+                          const double* inv_freq, double scale) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* row = x + t * heads * head_stride + offset;
+    for (int64_t i = 0; i < rot / 2; ++i) {
+      const double angle = static_cast<double>(positions[t]) * inv_freq[i];
+      const float c = static_cast<float>(std::cos(angle) * scale);
+      const float sn = static_cast<float>(std::sin(angle) * scale);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* v = row + h * head_stride + 2 * i;
+        const float x1 = v[0], x2 = v[1];
+        v[0] = x1 * c - x2 * sn;
+        v[1] = x2 * c + x1 * sn;
+      }
+    }
+  }
+}
+
 // The whole model as one rank's shard (no parallelism).
 sharding::RankShard WholeModelShard(const sharding::ModelArch& arch) {
   sharding::RankShard shard;
@@ -103,7 +129,7 @@ absl::StatusOr<std::unique_ptr<Transformer>> Transformer::LoadImpl(
     const std::string& dir, const TensorParallelism* tp, const TransformerLoadOptions& options) {
   std::unique_ptr<Transformer> model(new Transformer());
   EXL3_ASSIGN_OR_RETURN(model->config_, ReadModelConfig(dir));
-  if (model->config_.arch.head_dim % 2 != 0) {
+  if (!model->config_.arch.mla() && model->config_.arch.head_dim % 2 != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat(dir, ": head_dim must be even for RoPE, got ", model->config_.arch.head_dim));
   }
@@ -196,11 +222,57 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
     }
     const IndexRange q_channels{part.q_heads.begin * hd, part.q_heads.end * hd};
     const IndexRange kv_channels{part.kv_heads.begin * hd, part.kv_heads.end * hd};
+    if (arch.mla()) {
+      // architectures.md §2.4, §2.5: the down-projections of the layer input
+      // and the latent norm on every rank (each rank writes its own copy of
+      // the latent cache); q_b (or q), kv_b and o by this rank's query heads.
+      const int64_t n = arch.qk_nope_head_dim, r = arch.qk_rope_head_dim;
+      const int64_t vd = arch.v_head_dim, dc = arch.kv_lora_rank;
+      const IndexRange heads = part.q_heads;
+      const IndexRange q_cols{heads.begin * (n + r), heads.end * (n + r)};
+      if (arch.q_lora_rank > 0) {
+        const IndexRange rank_cols{0, arch.q_lora_rank};
+        EXL3_ASSIGN_OR_RETURN(layer.q_a,
+                              load(spec(l, LinearRole::kQA, -1), all_hidden, rank_cols, true));
+        EXL3_ASSIGN_OR_RETURN(layer.q_a_norm,
+                              LoadVector(model, prefix + ".self_attn.q_a_layernorm.weight",
+                                         arch.q_lora_rank));
+        if (!heads.empty()) {
+          EXL3_ASSIGN_OR_RETURN(layer.q_b,
+                                load(spec(l, LinearRole::kQB, -1), rank_cols, q_cols, true));
+        }
+      } else if (!heads.empty()) {
+        EXL3_ASSIGN_OR_RETURN(layer.q, load(spec(l, LinearRole::kQ, -1), all_hidden, q_cols, true));
+      }
+      EXL3_ASSIGN_OR_RETURN(layer.kv_a, load(spec(l, LinearRole::kKVA, -1), all_hidden,
+                                             IndexRange{0, dc + r}, true));
+      EXL3_ASSIGN_OR_RETURN(layer.kv_a_norm,
+                            LoadVector(model, prefix + ".self_attn.kv_a_layernorm.weight", dc));
+      if (!heads.empty()) {
+        EXL3_ASSIGN_OR_RETURN(layer.kv_b,
+                              load(spec(l, LinearRole::kKVB, -1), IndexRange{0, dc},
+                                   IndexRange{heads.begin * (n + vd), heads.end * (n + vd)}, true));
+        // W = kv_b's weight [out][dc], read as the linear's answer to the
+        // identity (exact for a 16-bit weight, also right for an EXL3 one).
+        const int64_t rows = heads.size() * (n + vd);
+        std::vector<float> identity(static_cast<size_t>(dc * dc), 0.0f), wt(dc * rows);
+        for (int64_t i = 0; i < dc; ++i) identity[i * dc + i] = 1.0f;
+        EXL3_RETURN_IF_ERROR(layer.kv_b.Forward(identity.data(), dc, wt.data()));
+        layer.w_kv_b.resize(static_cast<size_t>(rows * dc));
+        for (int64_t i = 0; i < dc; ++i) {
+          for (int64_t o = 0; o < rows; ++o) layer.w_kv_b[o * dc + i] = wt[i * rows + o];
+        }
+        EXL3_ASSIGN_OR_RETURN(layer.o, load(spec(l, LinearRole::kO, -1),
+                                            IndexRange{heads.begin * vd, heads.end * vd},
+                                            all_hidden, part.o_bias));
+      }
+    } else {
     EXL3_ASSIGN_OR_RETURN(layer.q, load(spec(l, LinearRole::kQ, -1), all_hidden, q_channels, true));
     EXL3_ASSIGN_OR_RETURN(layer.k, load(spec(l, LinearRole::kK, -1), all_hidden, kv_channels, true));
     EXL3_ASSIGN_OR_RETURN(layer.v, load(spec(l, LinearRole::kV, -1), all_hidden, kv_channels, true));
     EXL3_ASSIGN_OR_RETURN(layer.o,
                           load(spec(l, LinearRole::kO, -1), q_channels, all_hidden, part.o_bias));
+    }
     layer.moe = arch.layer_is_moe[l];
     if (!layer.moe) {
       EXL3_RETURN_IF_ERROR(check(part.mlp_channels, arch.intermediate_size, "mlp channels"));
@@ -396,7 +468,7 @@ absl::Status Transformer::GatherLogits(std::vector<float>& local, int64_t rows,
 void Transformer::SetInputObserver(InputObserver* observer) {
   for (Layer& layer : layers_) {
     for (Linear* l : {&layer.q, &layer.k, &layer.v, &layer.o, &layer.gate, &layer.up, &layer.down,
-                      &layer.router}) {
+                      &layer.router, &layer.q_a, &layer.q_b, &layer.kv_a, &layer.kv_b}) {
       l->set_input_observer(observer);
     }
     for (Expert& e : layer.experts) {
@@ -412,6 +484,13 @@ absl::StatusOr<PagedKvCache> Transformer::CreateKvCache(const KvCacheOptions& op
   shape.num_kv_heads = static_cast<int>(layers_.empty() ? config_.arch.num_key_value_heads
                                                         : layers_[0].num_kv_heads);
   shape.head_dim = static_cast<int>(config_.arch.head_dim);
+  if (config_.arch.mla()) {
+    // One latent "head" per position on every rank: c_kv as the key, k_pe
+    // as the value (kv_cache.h KvCacheShape::value_dim).
+    shape.num_kv_heads = 1;
+    shape.head_dim = static_cast<int>(config_.arch.kv_lora_rank);
+    shape.value_dim = static_cast<int>(config_.arch.qk_rope_head_dim);
+  }
   return PagedKvCache::Create(shape, options);
 }
 
@@ -531,7 +610,8 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
     }
   }
   std::vector<float> a(h.size()), q(total * nh * hd), k(total * nkv * hd), v(total * nkv * hd);
-  std::vector<float> attn(total * nh * hd), delta(h.size());
+  const int64_t attn_width = std::max(hd, arch.mla() ? arch.v_head_dim : int64_t{0});
+  std::vector<float> attn(total * nh * attn_width), delta(h.size());
   // Each entry's rows run at the precision the entry would get alone
   // (linear.h, RowKind), whatever else shares the step.
   std::vector<RowRun> plan;
@@ -544,11 +624,20 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
     a = h;
     EXL3_RETURN_IF_ERROR(kernels::RmsNorm(a.data(), total, hidden, layer.input_norm.data(),
                                           config_.rms_norm_eps, a.data()));
-    EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data(), plan));
-    EXL3_RETURN_IF_ERROR(layer.k.Forward(a.data(), total, k.data(), plan));
-    EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data(), plan));
-    EXL3_RETURN_IF_ERROR(Attention(batch, l, cache, starts, q, k, v, &attn));
-    EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data(), plan));
+    if (arch.mla()) {
+      EXL3_RETURN_IF_ERROR(MlaAttention(batch, l, cache, starts, a, total, plan, &attn));
+      if (layer.num_q_heads > 0) {
+        EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data(), plan));
+      } else {
+        std::fill(delta.begin(), delta.end(), 0.0f);  // no heads here: nothing to add
+      }
+    } else {
+      EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data(), plan));
+      EXL3_RETURN_IF_ERROR(layer.k.Forward(a.data(), total, k.data(), plan));
+      EXL3_RETURN_IF_ERROR(layer.v.Forward(a.data(), total, v.data(), plan));
+      EXL3_RETURN_IF_ERROR(Attention(batch, l, cache, starts, q, k, v, &attn));
+      EXL3_RETURN_IF_ERROR(layer.o.Forward(attn.data(), total, delta.data(), plan));
+    }
     EXL3_RETURN_IF_ERROR(AllReduce(delta));
     for (size_t i = 0; i < h.size(); ++i) h[i] += delta[i];
     a = h;
@@ -657,6 +746,147 @@ absl::Status Transformer::Attention(std::span<const SequenceTokens> batch, int l
                          ob + (t * nh + head) * hd);
     });
     row0 += n;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Transformer::MlaAttention(std::span<const SequenceTokens> batch, int layer_index,
+                                       PagedKvCache* cache, const std::vector<int64_t>& starts,
+                                       const std::vector<float>& a, int64_t total,
+                                       std::span<const RowRun> plan,
+                                       std::vector<float>* out) const {
+  const sharding::ModelArch& arch = config_.arch;
+  const Layer& layer = layers_[layer_index];
+  const int64_t n = arch.qk_nope_head_dim, r = arch.qk_rope_head_dim, vd = arch.v_head_dim;
+  const int64_t dc = arch.kv_lora_rank, qd = n + r;
+  const int64_t nh = layer.num_q_heads;
+  const float scale = static_cast<float>(config_.attention_softmax_scale);
+  const double rope_scale = config_.rope_attention_factor;
+  kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
+
+  // The latent: c_kv = RMSNorm(t[0:dc]), k_pe = t[dc:dc+r], t = a·W_kvaᵀ.
+  std::vector<float> t(static_cast<size_t>(total * (dc + r)));
+  EXL3_RETURN_IF_ERROR(layer.kv_a.Forward(a.data(), total, t.data(), plan));
+  std::vector<float> c_kv(static_cast<size_t>(total * dc)), k_pe(static_cast<size_t>(total * r));
+  for (int64_t i = 0; i < total; ++i) {
+    std::memcpy(&c_kv[i * dc], &t[i * (dc + r)], sizeof(float) * dc);
+    std::memcpy(&k_pe[i * r], &t[i * (dc + r) + dc], sizeof(float) * r);
+  }
+  EXL3_RETURN_IF_ERROR(kernels::RmsNorm(c_kv.data(), total, dc, layer.kv_a_norm.data(),
+                                        config_.rms_norm_eps, c_kv.data()));
+  // Queries [total][nh][nope | rope].
+  std::vector<float> q(static_cast<size_t>(total * nh * qd));
+  if (nh > 0) {
+    if (arch.q_lora_rank > 0) {
+      std::vector<float> c_q(static_cast<size_t>(total * arch.q_lora_rank));
+      EXL3_RETURN_IF_ERROR(layer.q_a.Forward(a.data(), total, c_q.data(), plan));
+      EXL3_RETURN_IF_ERROR(kernels::RmsNorm(c_q.data(), total, arch.q_lora_rank,
+                                            layer.q_a_norm.data(), config_.rms_norm_eps,
+                                            c_q.data()));
+      EXL3_RETURN_IF_ERROR(layer.q_b.Forward(c_q.data(), total, q.data(), plan));
+    } else {
+      EXL3_RETURN_IF_ERROR(layer.q.Forward(a.data(), total, q.data(), plan));
+    }
+  }
+
+  int64_t row0 = 0;
+  for (size_t b = 0; b < batch.size(); ++b) {
+    const int64_t count = static_cast<int64_t>(batch[b].tokens.size());
+    const int64_t start = starts[b];
+    std::vector<int64_t> positions(count);
+    std::iota(positions.begin(), positions.end(), start);
+    float* qb = q.data() + row0 * nh * qd;
+    ApplyInterleavedRope(qb, count, nh, qd, n, r, positions.data(), rope_inv_freq_.data(),
+                         rope_scale);
+    ApplyInterleavedRope(&k_pe[row0 * r], count, 1, r, 0, r, positions.data(),
+                         rope_inv_freq_.data(), rope_scale);
+    cache->Write(batch[b].seq_id, layer_index, start, count, &c_kv[row0 * dc], &k_pe[row0 * r]);
+    if (nh == 0) {
+      row0 += count;
+      continue;
+    }
+    // Every position these queries see, read back from the cache (so a
+    // chunked prefill, a whole one and decoding see the same stored values).
+    const int64_t end = start + count;
+    std::vector<float> latent(static_cast<size_t>(end * dc)), rope_key(static_cast<size_t>(end * r));
+    cache->Read(batch[b].seq_id, layer_index, 0, end, latent.data(), rope_key.data());
+    float* ob = out->data() + row0 * nh * vd;
+    if (count >= kPrefillMinRows) {
+      // Prefill: keys [nope | k_pe] and values of every head from kv_b.
+      std::vector<float> kv(static_cast<size_t>(end * nh * (n + vd)));
+      EXL3_RETURN_IF_ERROR(layer.kv_b.Forward(latent.data(), end, kv.data()));
+      std::vector<std::vector<float>> scratch(pool.size(), std::vector<float>(end));
+      pool.ParallelFor(count * nh, 0, [&](int64_t task, int worker) {
+        const int64_t i = task / nh, head = task % nh;
+        const int64_t visible = start + i + 1;
+        const float* qh = qb + (i * nh + head) * qd;
+        float* scores = scratch[worker].data();
+        float max_score = -INFINITY;
+        for (int64_t j = 0; j < visible; ++j) {
+          const float* kj = &kv[(j * nh + head) * (n + vd)];
+          const float* pj = &rope_key[j * r];
+          float dot = 0.0f;
+          for (int64_t d = 0; d < n; ++d) dot += qh[d] * kj[d];
+          for (int64_t d = 0; d < r; ++d) dot += qh[n + d] * pj[d];
+          scores[j] = dot * scale;
+          max_score = std::max(max_score, scores[j]);
+        }
+        float sum = 0.0f;
+        for (int64_t j = 0; j < visible; ++j) {
+          scores[j] = std::exp(scores[j] - max_score);
+          sum += scores[j];
+        }
+        float* o = ob + (i * nh + head) * vd;
+        std::fill(o, o + vd, 0.0f);
+        for (int64_t j = 0; j < visible; ++j) {
+          const float w = scores[j] / sum;
+          const float* vj = &kv[(j * nh + head) * (n + vd) + n];
+          for (int64_t d = 0; d < vd; ++d) o[d] += w * vj[d];
+        }
+      });
+    } else {
+      // Absorbed decode (architectures.md §2.2 step 5): q_lat = W_UKᵀ q_nope
+      // attends over [c_kv | k_pe] with [q_lat | q_pe]; the weighted latent
+      // goes through W_UV. Each (token, head) alone: a row's result does not
+      // depend on what else is in the batch.
+      std::vector<float> rows(static_cast<size_t>(end * (dc + r)));
+      for (int64_t j = 0; j < end; ++j) {
+        std::memcpy(&rows[j * (dc + r)], &latent[j * dc], sizeof(float) * dc);
+        std::memcpy(&rows[j * (dc + r) + dc], &rope_key[j * r], sizeof(float) * r);
+      }
+      struct Scratch {
+        std::vector<float> scores, q, o;
+      };
+      std::vector<Scratch> scratch(pool.size());
+      for (Scratch& s : scratch) {
+        s.scores.resize(end);
+        s.q.resize(dc + r);
+        s.o.resize(dc + r);
+      }
+      pool.ParallelFor(count * nh, 0, [&](int64_t task, int worker) {
+        const int64_t i = task / nh, head = task % nh;
+        const float* qh = qb + (i * nh + head) * qd;
+        const float* w = &layer.w_kv_b[head * (n + vd) * dc];  // [n + vd][dc]
+        Scratch& s = scratch[worker];
+        std::fill(s.q.begin(), s.q.begin() + dc, 0.0f);
+        for (int64_t d = 0; d < n; ++d) {
+          const float x = qh[d];
+          const float* wd = w + d * dc;
+          for (int64_t c = 0; c < dc; ++c) s.q[c] += x * wd[c];
+        }
+        std::memcpy(&s.q[dc], qh + n, sizeof(float) * r);
+        kernels::AttendRow(s.q.data(), rows.data(), rows.data(), start + i + 1, dc + r, dc + r,
+                           scale, s.scores.data(), s.o.data());
+        float* o = ob + (i * nh + head) * vd;
+        for (int64_t d = 0; d < vd; ++d) {
+          const float* wd = w + (n + d) * dc;
+          float acc = 0.0f;
+          for (int64_t c = 0; c < dc; ++c) acc += wd[c] * s.o[c];
+          o[d] = acc;
+        }
+      });
+    }
+    row0 += count;
   }
   return absl::OkStatus();
 }

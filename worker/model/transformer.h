@@ -3,8 +3,10 @@
 // Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Mixtral, Qwen3-MoE and
 // GLM-4 MoE (q/k/v bias, optional q/k norm, partial RoPE, sigmoid grouped
 // routing with a correction bias, shared experts, first layers dense; its
-// MTP layers are not built), each linear EXL3-quantized or plain
-// (bf16/fp16/fp32 checkpoints).
+// MTP layers are not built) and DeepSeek-V3 / Kimi K2 (multi-head latent
+// attention with YaRN RoPE and a paged latent cache, MoE as GLM's; see
+// MlaAttention), each linear EXL3-quantized or plain (bf16/fp16/fp32
+// checkpoints).
 //
 //   EXL3_ASSIGN_OR_RETURN(auto model, Transformer::Load(dir));
 //   EXL3_ASSIGN_OR_RETURN(PagedKvCache cache, model->CreateKvCache(KvCacheOptions{}));
@@ -217,6 +219,14 @@ class Transformer {
     std::vector<Expert> experts;  // the ones this rank holds
     bool has_shared = false;      // GLM: this rank's channels of the shared expert
     Expert shared;
+    // MLA (config_.arch.mla()): q_a (+ q_a_norm) then q_b, or the plain q
+    // above; kv_a and its norm on every rank; q_b, kv_b and o hold this
+    // rank's query heads.
+    Linear q_a, q_b, kv_a, kv_b;
+    std::vector<float> q_a_norm, kv_a_norm;
+    // kv_b's weight for this rank's heads as fp32 [head][nope + v][kv_lora]:
+    // W_UK_h (nope rows) then W_UV_h (v rows), for the absorbed decode.
+    std::vector<float> w_kv_b;
   };
 
   Transformer() = default;
@@ -242,6 +252,18 @@ class Transformer {
                          const std::vector<int64_t>& starts, std::vector<float>& q,
                          std::vector<float>& k, const std::vector<float>& v,
                          std::vector<float>* out) const;
+  // Multi-head latent attention of layer `layer` (DeepseekV3ForCausalLM) on
+  // the normed input a [total][hidden]: appends the latent (normalized c_kv
+  // and the roped k_pe) to `cache` and writes this rank's heads' outputs
+  // [total][num_q_heads * v_head_dim] into *out, ready for o_proj. An entry
+  // of fewer than kPrefillMinRows tokens (decode kind) attends in absorbed
+  // form over the latent (W_UK folded into the query, W_UV applied after),
+  // a longer one decompresses the cached latent through kv_b_proj into
+  // per-head keys and values (prefill); both read the same cached latent.
+  absl::Status MlaAttention(std::span<const SequenceTokens> batch, int layer, PagedKvCache* cache,
+                            const std::vector<int64_t>& starts, const std::vector<float>& a,
+                            int64_t total, std::span<const RowRun> plan,
+                            std::vector<float>* out) const;
   // plan: the row plan of a's m rows (linear.h RowRun); MoE experts get the
   // kinds of their gathered rows.
   absl::Status Mlp(const Layer& layer, const std::vector<float>& a, int64_t m,
