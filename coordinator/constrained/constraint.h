@@ -52,8 +52,8 @@ enum class ConstraintKind {
 
 struct ConstraintSpec {
   ConstraintKind kind = ConstraintKind::kJsonSchema;
-  std::string text;
-  std::vector<std::string> choices;
+  std::string text = {};
+  std::vector<std::string> choices = {};
 };
 
 // "json_schema", "regex", "choice", "grammar".

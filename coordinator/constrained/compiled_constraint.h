@@ -1,0 +1,44 @@
+// coordinator/constrained/compiled_constraint.h — what CompileConstraint
+// builds: the frozen grammar, its automaton and the mask cache for one
+// vocabulary. Internal (TokenMatcher and the tests reach in here).
+#ifndef EXL3SERVE_COORDINATOR_CONSTRAINED_COMPILED_CONSTRAINT_H_
+#define EXL3SERVE_COORDINATOR_CONSTRAINED_COMPILED_CONSTRAINT_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "coordinator/constrained/constraint.h"
+#include "coordinator/constrained/grammar.h"
+#include "coordinator/constrained/mask_cache.h"
+#include "coordinator/constrained/pda.h"
+#include "coordinator/constrained/vocabulary.h"
+
+namespace exl3serve::coordinator::constrained {
+
+// The grammar of `spec` (no vocabulary needed): the errors of
+// CompileConstraint.
+absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec);
+
+class GrammarConstraint final : public CompiledConstraint {
+ public:
+  GrammarConstraint(ConstraintSpec spec, std::shared_ptr<const TokenVocabulary> vocab,
+                    FlatGrammar grammar);
+
+  const TokenVocabulary& vocabulary() const override { return *vocab_; }
+  const ConstraintSpec& spec() const override { return spec_; }
+  const ByteVocabulary& bytes() const { return AsByteVocabulary(*vocab_); }
+  const FlatGrammar& grammar() const { return grammar_; }
+  const Pda& pda() const { return pda_; }
+  const MaskCache& cache() const { return cache_; }
+
+ private:
+  ConstraintSpec spec_;
+  std::shared_ptr<const TokenVocabulary> vocab_;
+  FlatGrammar grammar_;
+  Pda pda_;
+  MaskCache cache_;
+};
+
+}  // namespace exl3serve::coordinator::constrained
+
+#endif  // EXL3SERVE_COORDINATOR_CONSTRAINED_COMPILED_CONSTRAINT_H_

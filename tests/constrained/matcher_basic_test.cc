@@ -1,0 +1,104 @@
+// TokenMatcher over hand-written constraints and a small vocabulary: masks,
+// EOS only where complete, accept/reject, rollback, termination.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "coordinator/constrained/constraint.h"
+#include "gtest/gtest.h"
+
+namespace exl3serve::coordinator::constrained {
+namespace {
+
+constexpr int32_t kEos = 0;
+
+std::shared_ptr<const TokenVocabulary> Vocab(const std::vector<std::string>& tokens) {
+  std::vector<std::optional<std::string>> bytes = {std::nullopt};  // id 0: EOS
+  for (const std::string& t : tokens) bytes.push_back(t);
+  const int32_t eos[] = {kEos};
+  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
+}
+
+std::vector<std::string> Allowed(TokenMatcher& m, const TokenVocabulary& v) {
+  std::vector<uint32_t> mask(m.mask_words());
+  m.FillNextTokenMask(mask);
+  std::vector<std::string> out;
+  for (int32_t id = 0; id < v.size(); ++id) {
+    if ((mask[id >> 5] >> (id & 31)) & 1) out.push_back(id == kEos ? "<eos>" : std::string(*v.token_bytes(id)));
+  }
+  return out;
+}
+
+int32_t Id(const TokenVocabulary& v, std::string_view t) {
+  for (int32_t id = 1; id < v.size(); ++id) {
+    if (v.token_bytes(id) == t) return id;
+  }
+  return -1;
+}
+
+TEST(MatcherBasicTest, ChoiceMasksPrefixesAndEosOnlyWhenComplete) {
+  auto v = Vocab({"a", "b", "ab", "abc", "c", "x", "abx"});
+  auto c = CompileConstraint({.kind = ConstraintKind::kChoice, .choices = {"ab", "abc"}}, v);
+  ASSERT_TRUE(c.ok()) << c.status();
+  TokenMatcher m(*c);
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"a", "ab", "abc"}));
+  EXPECT_FALSE(m.IsComplete());
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "ab")).ok());
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"<eos>", "c"}));
+  EXPECT_TRUE(m.IsComplete());
+  EXPECT_FALSE(m.IsTerminated());
+  EXPECT_FALSE(m.AcceptToken(Id(*v, "x")).ok());
+  EXPECT_EQ(m.num_accepted(), 1);
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "c")).ok());
+  EXPECT_TRUE(m.IsTerminated());
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"<eos>"}));
+  ASSERT_TRUE(m.AcceptToken(kEos).ok());
+  EXPECT_TRUE(m.IsTerminated());
+  EXPECT_TRUE(Allowed(m, *v).empty());
+  EXPECT_FALSE(m.AcceptToken(Id(*v, "a")).ok());
+  ASSERT_TRUE(m.Rollback(2).ok());
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"<eos>", "c"}));
+  EXPECT_FALSE(m.Rollback(2).ok());
+  ASSERT_TRUE(m.Rollback(1).ok());
+  EXPECT_EQ(m.num_accepted(), 0);
+}
+
+TEST(MatcherBasicTest, RegexDigits) {
+  auto v = Vocab({"1", "12", "a", "-", "-1", "123", "1a"});
+  auto c = CompileConstraint({.kind = ConstraintKind::kRegex, .text = "-?[0-9]{1,3}"}, v);
+  ASSERT_TRUE(c.ok()) << c.status();
+  TokenMatcher m(*c);
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"1", "12", "-", "-1", "123"}));
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "12")).ok());
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"<eos>", "1"}));
+}
+
+TEST(MatcherBasicTest, JsonSchemaObject) {
+  auto v = Vocab({"{", "}", "\"", "a", "\":", ":", " ", "1", ",", "\"a\"", "{\"", "\"b", "2", "x"});
+  auto c = CompileConstraint({.kind = ConstraintKind::kJsonSchema,
+                              .text = R"({"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]})"},
+                             v);
+  ASSERT_TRUE(c.ok()) << c.status();
+  TokenMatcher m(*c);
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"{", "{\""}));
+  for (const char* t : {"{", "\"a\"", ":", " ", "1", "2"}) ASSERT_TRUE(m.AcceptToken(Id(*v, t)).ok()) << t;
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"}", "1", "2"}));
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "}")).ok());
+  EXPECT_TRUE(m.IsTerminated());
+}
+
+TEST(MatcherBasicTest, GrammarWithRecursion) {
+  auto v = Vocab({"(", ")", "()", "x", "(x", "))"});
+  auto c = CompileConstraint({.kind = ConstraintKind::kGrammar, .text = "root ::= \"(\" root \")\" | \"x\""}, v);
+  ASSERT_TRUE(c.ok()) << c.status();
+  TokenMatcher m(*c);
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{"(", "x", "(x"}));
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "(")).ok());
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "(x")).ok());
+  EXPECT_EQ(Allowed(m, *v), (std::vector<std::string>{")", "))"}));
+  ASSERT_TRUE(m.AcceptToken(Id(*v, "))")).ok());
+  EXPECT_TRUE(m.IsTerminated());
+}
+
+}  // namespace
+}  // namespace exl3serve::coordinator::constrained
