@@ -15,7 +15,10 @@
 #ifndef EXL3SERVE_COORDINATOR_CONSTRAINED_MASK_CACHE_H_
 #define EXL3SERVE_COORDINATOR_CONSTRAINED_MASK_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <vector>
 
@@ -40,19 +43,37 @@ struct MaskCacheStats {
   size_t memory_bytes = 0;
 };
 
+// Thread safety: thread-safe (entries past the eager budget are computed on
+// first use, once, under std::call_once). Ownership: borrows `pda` and
+// `vocab`, which must outlive it.
 class MaskCache {
  public:
-  // Cost: one pruned trie walk per terminal position (the walk inside a
-  // string visits most of the trie).
-  MaskCache(const Pda& pda, const ByteVocabulary& vocab);
+  // Computes entries in grammar order until `eager_budget_ms` of CPU time is
+  // spent (one pruned trie walk per terminal position; the walk inside a
+  // string visits most of the trie: ~20 ms at 152k tokens); the rest are
+  // computed by at() on first use.
+  MaskCache(const Pda& pda, const ByteVocabulary& vocab, double eager_budget_ms = kDefaultEagerBudgetMs);
+  ~MaskCache();
 
-  const PositionMask& at(uint32_t pos) const { return masks_[index_[pos]]; }
-  const MaskCacheStats& stats() const { return stats_; }
+  static constexpr double kDefaultEagerBudgetMs = 1500;
+
+  // Requires: `pos` is a terminal position. May block for one walk.
+  const PositionMask& at(uint32_t pos) const;
+  // Counters over the entries computed so far (approximate while other
+  // threads fill entries).
+  MaskCacheStats stats() const;
+  size_t num_computed() const;
 
  private:
-  std::vector<int32_t> index_;  // position -> masks_ index
-  std::vector<PositionMask> masks_;
-  MaskCacheStats stats_;
+  void Compute(size_t entry) const;
+
+  const Pda& pda_;
+  const ByteVocabulary& vocab_;
+  std::vector<int32_t> index_;  // position -> entry
+  std::vector<uint32_t> positions_;  // entry -> position
+  mutable std::vector<PositionMask> masks_;
+  std::unique_ptr<std::once_flag[]> once_;
+  mutable std::unique_ptr<std::atomic<bool>[]> done_;
 };
 
 // Reusable buffers of a trie walk (one per thread).
