@@ -988,6 +988,7 @@ absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTok
   if (sample.size() != batch.size()) {
     return absl::InvalidArgumentError("sampled forward: one sample flag per batch entry");
   }
+  EXL3_RETURN_IF_ERROR(worker::CheckAllowedTokens(batch, sample, {}, vocab_size()));
   pb::Step step;
   pb::ForwardBatch* forward = step.mutable_forward();
   forward->set_rows(pb::LOGITS_ROWS_LAST_TOKEN);
@@ -995,6 +996,8 @@ absl::Status RemoteRankGroup::ForwardSampled(std::span<const worker::SequenceTok
   for (size_t i = 0; i < batch.size(); ++i) {
     pb::SequenceTokens* seq = impl_->AddEntry(batch[i], forward);
     seq->set_sample(sample[i] != 0);
+    seq->mutable_allowed_tokens()->Assign(batch[i].allowed_tokens.begin(),
+                                          batch[i].allowed_tokens.end());
   }
   std::vector<worker::SampledToken> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, &received));
@@ -1011,6 +1014,7 @@ absl::Status RemoteRankGroup::ForwardVerified(std::span<const worker::SequenceTo
                                               std::span<const int32_t> draft_counts,
                                               std::vector<std::vector<worker::SampledToken>>* runs) {
   EXL3_RETURN_IF_ERROR(worker::CheckDraftCounts(batch, sample, draft_counts));
+  EXL3_RETURN_IF_ERROR(worker::CheckAllowedTokens(batch, sample, draft_counts, vocab_size()));
   pb::Step step;
   pb::ForwardBatch* forward = step.mutable_forward();
   forward->set_rows(pb::LOGITS_ROWS_LAST_TOKEN);
@@ -1020,6 +1024,8 @@ absl::Status RemoteRankGroup::ForwardVerified(std::span<const worker::SequenceTo
     pb::SequenceTokens* seq = impl_->AddEntry(batch[i], forward);
     seq->set_sample(sample[i] != 0);
     seq->set_num_draft(draft_counts[i]);
+    seq->mutable_allowed_tokens()->Assign(batch[i].allowed_tokens.begin(),
+                                          batch[i].allowed_tokens.end());
   }
   std::vector<std::vector<worker::SampledToken>> received;
   EXL3_RETURN_IF_ERROR(impl_->RunStep(std::move(step), nullptr, nullptr, nullptr, &received));

@@ -69,7 +69,7 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 5;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 6;
 
 // Who may register as a rank (the coordinator<->rank channel's security).
 // cert_file + key_file (PEM) turn TLS on for the rank endpoint; with

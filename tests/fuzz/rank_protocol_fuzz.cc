@@ -233,6 +233,19 @@ bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id,
         } else if (draft >= 250) {
           seq->set_num_draft(in.ConsumeIntegralInRange(-2, 3));  // refused unless 0
         }
+        // Allowed-token masks (structured output): mostly none; else one row
+        // per draw (dense, sparse or all zero), sometimes a wrong size.
+        const uint8_t mask = in.ConsumeIntegral<uint8_t>();
+        if (mask >= 160) {
+          const int words = (vocab + 31) / 32;
+          const int draws = 1 + std::max(0, seq->num_draft());
+          const int rows = mask >= 245 ? in.ConsumeIntegralInRange(0, draws + 1) : draws;
+          const int extra = mask >= 250 ? in.ConsumeIntegralInRange(-1, 1) : 0;
+          const uint32_t density = in.ConsumeIntegral<uint32_t>();
+          for (int w = 0; w < rows * words + extra; ++w) {
+            seq->add_allowed_tokens(mask % 3 == 0 ? 0u : mask % 3 == 1 ? density : ~0u);
+          }
+        }
       }
       break;
     }
@@ -273,6 +286,17 @@ void CheckForward(const rk::RankCommand& command, int32_t vocab, const std::vect
     if (tokens.size() != command.batch_sample.size()) std::abort();
     for (size_t i = 0; i < tokens.size(); ++i) {
       if (command.batch_sample[i] != 0 && (tokens[i].id < 0 || tokens[i].id >= vocab)) std::abort();
+      // A drawn token is allowed by its mask unless the mask allows none.
+      if (command.batch_sample[i] != 0 && i < command.batch_allowed.size() &&
+          !command.batch_allowed[i].empty()) {
+        const std::vector<uint32_t>& m = command.batch_allowed[i];
+        bool any = false;
+        for (int32_t id = 0; id < vocab; ++id) any = any || ((m[id / 32] >> (id % 32)) & 1u);
+        if (any && ((m[tokens[i].id / 32] >> (tokens[i].id % 32)) & 1u) == 0) {
+          std::fprintf(stderr, "rank_protocol_fuzz: drew masked token %d\n", tokens[i].id);
+          std::abort();
+        }
+      }
     }
     return;
   }

@@ -158,5 +158,116 @@ TEST_F(SpeculativeTensorParallelErrorsTest, MalformedDraftCountsAreRefusedBefore
   EXPECT_TRUE(runs[1].empty());
 }
 
+
+// ---------------------------------------------------------------- allowed-token masks
+
+// Structured output's masks cross the control wire with sampled and verified
+// forwards: greedy and seeded draws under random masks (none, dense, a few
+// ids, one id) at TP 2 equal this process's, every drawn token is allowed,
+// and masks of the wrong size are refused before anything is sent.
+using MaskedSamplingTensorParallelTest = SpeculativeTpBase;
+
+TEST_F(MaskedSamplingTensorParallelTest, MaskedDrawsAtTp2EqualOneProcessAndAreAllowed) {
+  absl::StatusOr<std::unique_ptr<Transformer>> model = Transformer::Load(ModelDir());
+  ASSERT_TRUE(model.ok()) << model.status();
+  absl::StatusOr<PagedKvCache> cache = (*model)->CreateKvCache(Kv());
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  LocalStepExecutor reference(model->get(), std::move(*cache));
+  std::unique_ptr<LocalGroup> group = StartGroup(2);
+  ASSERT_NE(group, nullptr);
+  constexpr int64_t kVocab = 1000;
+  constexpr int64_t kWords = (kVocab + 31) / 32;
+  std::mt19937 rng(GtestSeed() + 17);
+  auto random_mask = [&](int kind) {
+    std::vector<uint32_t> m(kWords, 0);
+    if (kind == 0) return std::vector<uint32_t>();  // unconstrained
+    for (int64_t id = 0; id < kVocab; ++id) {
+      const bool on = kind == 1 ? rng() % 3 == 0 : kind == 2 ? rng() % 200 == 0 : false;
+      if (on) m[id / 32] |= 1u << (id % 32);
+    }
+    const int64_t one = static_cast<int64_t>(rng() % kVocab);
+    m[one / 32] |= 1u << (one % 32);  // never empty; kind 3: only this id
+    return m;
+  };
+  auto allowed = [&](const std::vector<uint32_t>& m, int64_t row, int32_t id) {
+    return m.empty() || ((m[row * kWords + id / 32] >> (id % 32)) & 1u) != 0;
+  };
+  constexpr int kSeqs = 6;
+  std::vector<std::vector<int32_t>> next(kSeqs);
+  int32_t page = 0;
+  for (int s = 0; s < kSeqs; ++s) {
+    SequenceSampling sampling;
+    sampling.params.seed = 40 + s;
+    sampling.params.temperature = s % 2 == 0 ? 0.0f : 1.0f;
+    sampling.params.top_k = s == 3 ? 20 : 0;
+    sampling.prompt_len = 5;
+    ASSERT_TRUE(reference.AddSampledSequence(s, sampling).ok());
+    ASSERT_TRUE(group->AddSampledSequence(s, sampling).ok());
+    const std::vector<int32_t> pages = {page, page + 1};
+    page += 2;
+    ASSERT_TRUE(reference.AssignPages(s, pages).ok());
+    ASSERT_TRUE(group->AssignPages(s, pages).ok());
+    for (int t = 0; t < 5; ++t) next[s].push_back(static_cast<int32_t>(rng() % kVocab));
+  }
+  int64_t drawn = 0;
+  for (int step = 0; step < 10; ++step) {
+    const bool verified = step % 3 == 2;
+    std::vector<std::vector<uint32_t>> masks(kSeqs);
+    std::vector<std::vector<int32_t>> tokens(kSeqs);
+    std::vector<int32_t> drafts(kSeqs, 0);
+    std::vector<SequenceTokens> batch;
+    for (int s = 0; s < kSeqs; ++s) {
+      tokens[s] = next[s];
+      if (verified && step > 0) {  // two random drafts after the last token
+        drafts[s] = 2;
+        for (int d = 0; d < 2; ++d) tokens[s].push_back(static_cast<int32_t>(rng() % kVocab));
+      }
+      const int kind = static_cast<int>((s + step) % 4);
+      for (int r = 0; r <= drafts[s]; ++r) {
+        std::vector<uint32_t> row = random_mask(kind);
+        masks[s].insert(masks[s].end(), row.begin(), row.end());
+      }
+      batch.push_back({s, tokens[s], masks[s]});
+    }
+    const std::vector<uint8_t> sample(kSeqs, 1);
+    std::vector<std::vector<SampledToken>> ref_runs, got_runs;
+    if (verified) {
+      ASSERT_TRUE(reference.ForwardVerified(batch, sample, drafts, &ref_runs).ok());
+      absl::Status s = group->ForwardVerified(batch, sample, drafts, &got_runs);
+      ASSERT_TRUE(s.ok()) << s;
+    } else {
+      std::vector<SampledToken> a, b;
+      ASSERT_TRUE(reference.ForwardSampled(batch, sample, &a).ok());
+      absl::Status s = group->ForwardSampled(batch, sample, &b);
+      ASSERT_TRUE(s.ok()) << s;
+      for (int i = 0; i < kSeqs; ++i) {
+        ref_runs.push_back({a[i]});
+        got_runs.push_back({b[i]});
+      }
+    }
+    for (int s = 0; s < kSeqs; ++s) {
+      ASSERT_EQ(got_runs[s].size(), ref_runs[s].size()) << "step " << step << " seq " << s;
+      for (size_t j = 0; j < ref_runs[s].size(); ++j) {
+        EXPECT_EQ(got_runs[s][j].id, ref_runs[s][j].id) << "step " << step << " seq " << s;
+        EXPECT_TRUE(allowed(masks[s], static_cast<int64_t>(j), got_runs[s][j].id))
+            << "step " << step << " seq " << s << " drew masked token " << got_runs[s][j].id;
+        ++drawn;
+      }
+      next[s] = {ref_runs[s].back().id};
+    }
+  }
+  EXPECT_GE(drawn, 60);
+  // Wrong sizes: refused, nothing sent, the group stays healthy.
+  const std::vector<int32_t> one = {next[0][0]};
+  const std::vector<uint32_t> short_mask(kWords - 1, ~0u), two_rows(2 * kWords, ~0u);
+  std::vector<SampledToken> tokens;
+  for (const std::vector<uint32_t>* m : {&short_mask, &two_rows}) {
+    const std::vector<SequenceTokens> batch = {{0, one, *m}};
+    const std::vector<uint8_t> sample = {1};
+    EXPECT_EQ(group->ForwardSampled(batch, sample, &tokens).code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE(group->health().ok()) << group->health();
+}
+
 }  // namespace
 }  // namespace exl3serve::worker

@@ -422,9 +422,10 @@ TEST(VocabSamplerTest, PositionCountsObservedTokensSoReplayDrawsTheSame) {
 
 // Samples `rows` (each a copy of its logits) on `world` ranks, the vocabulary
 // split at `cuts`, and returns every rank's tokens.
-std::vector<std::vector<SampledToken>> SampleOnRanks(const std::vector<std::vector<float>>& rows,
-                                                     const std::vector<SamplingParams>& params,
-                                                     const std::vector<int64_t>& cuts) {
+// `masks`: empty, or one allowed-token bitmask per row (empty = none).
+std::vector<std::vector<SampledToken>> SampleOnRanks(
+    const std::vector<std::vector<float>>& rows, const std::vector<SamplingParams>& params,
+    const std::vector<int64_t>& cuts, const std::vector<std::vector<uint32_t>>& masks = {}) {
   const int world = static_cast<int>(cuts.size()) - 1;
   const int64_t vocab = cuts.back();
   ThreadGroup group(world);
@@ -440,7 +441,8 @@ std::vector<std::vector<SampledToken>> SampleOnRanks(const std::vector<std::vect
       for (size_t i = 0; i < rows.size(); ++i) {
         EXPECT_TRUE(sampler.AddSequence(static_cast<int64_t>(i), {.params = params[i]}).ok());
         std::copy(rows[i].begin() + begin, rows[i].begin() + end, slice.begin() + i * width);
-        batch.push_back({static_cast<int64_t>(i), static_cast<int64_t>(i)});
+        const uint32_t* allowed = masks.empty() || masks[i].empty() ? nullptr : masks[i].data();
+        batch.push_back({static_cast<int64_t>(i), static_cast<int64_t>(i), allowed});
       }
       EXPECT_TRUE(sampler.Sample(batch, slice.data(), &result[r]).ok());
     });
@@ -480,6 +482,158 @@ TEST(VocabParallelSamplerTest, OneTwoAndThreeRanksDrawTheSameTokens) {
         for (size_t k = 0; k < one[0][i].top_logprobs.size(); ++k) {
           EXPECT_EQ(many[r][i].top_logprobs[k].id, one[0][i].top_logprobs[k].id);
         }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- allowed-token masks
+
+bool Allowed(const std::vector<uint32_t>& mask, int64_t id) {
+  return (mask[static_cast<size_t>(id / 32)] >> (id % 32)) & 1u;
+}
+
+// A mask over `vocab` allowing each id with probability `density` (at least
+// one id), or only ids in [lo, hi) when lo < hi.
+std::vector<uint32_t> RandomMask(int64_t vocab, double density, std::mt19937& rng, int64_t lo = 0,
+                                 int64_t hi = 0) {
+  std::vector<uint32_t> mask(static_cast<size_t>((vocab + 31) / 32), 0xA5A5A5A5u);  // poison past vocab
+  for (int64_t id = 0; id < vocab; ++id) mask[id / 32] &= ~(1u << (id % 32));
+  std::uniform_real_distribution<double> u(0, 1);
+  const int64_t a = lo < hi ? lo : 0, b = lo < hi ? hi : vocab;
+  bool any = false;
+  for (int64_t id = a; id < b; ++id) {
+    if (u(rng) < density) {
+      mask[id / 32] |= 1u << (id % 32);
+      any = true;
+    }
+  }
+  if (!any) mask[a / 32] |= 1u << (a % 32);
+  return mask;
+}
+
+TEST(VocabSamplerMaskTest, MaskedDrawsPassAChiSquareTestAgainstFloat64OnMaskedLogits) {
+  // The reference: the float64 sampler on logits whose masked entries are
+  // -inf (after its penalties, as the ranks mask after theirs).
+  constexpr int64_t kVocab = 41;
+  constexpr int kDraws = 60000;
+  const std::vector<float> logits = RandomLogits(kVocab, 7, 1.5f);
+  std::mt19937 rng(11);
+  const std::vector<uint32_t> mask = RandomMask(kVocab, 0.4, rng);
+  for (const Setting& setting : Settings()) {
+    SCOPED_TRACE(setting.name);
+    if (!setting.params.logit_bias.empty()) continue;  // bias then -inf: same; kept simple
+    absl::StatusOr<Sampler> ref = Sampler::Create(setting.params, {});
+    ASSERT_TRUE(ref.ok());
+    std::vector<float> masked = logits;
+    for (int64_t t = 0; t < kVocab; ++t) {
+      if (!Allowed(mask, t)) masked[t] = -INFINITY;
+    }
+    const std::vector<double> p = ref->Distribution(masked);
+    VocabSampler sampler(0, kVocab, kVocab, nullptr, absl::Seconds(10));
+    std::vector<int64_t> counts(kVocab, 0);
+    constexpr int kBatch = 500;
+    for (int done = 0; done < kDraws; done += kBatch) {
+      std::vector<float> rows;
+      std::vector<SampleRow> batch;
+      for (int i = 0; i < kBatch; ++i) {
+        SamplingParams params = setting.params;
+        params.seed = static_cast<uint64_t>(done + i) * 0x9E3779B97F4A7C15ull + 7;
+        ASSERT_TRUE(sampler.AddSequence(i, {.params = params}).ok());
+        rows.insert(rows.end(), logits.begin(), logits.end());
+        batch.push_back({i, i, mask.data()});
+      }
+      std::vector<SampledToken> out;
+      ASSERT_TRUE(sampler.Sample(batch, rows.data(), &out).ok());
+      for (int i = 0; i < kBatch; ++i) {
+        ASSERT_TRUE(out[i].id >= 0 && out[i].id < kVocab);
+        ASSERT_TRUE(Allowed(mask, out[i].id)) << "drew masked token " << out[i].id;
+        ++counts[out[i].id];
+        sampler.RemoveSequence(i);
+      }
+    }
+    double chi2 = 0, pooled_expected = 0, pooled_observed = 0;
+    int bins = 0;
+    for (int64_t t = 0; t < kVocab; ++t) {
+      if (p[t] == 0.0) {
+        EXPECT_EQ(counts[t], 0) << "token " << t;
+        continue;
+      }
+      const double expected = p[t] * kDraws;
+      if (expected < 5) {
+        pooled_expected += expected;
+        pooled_observed += static_cast<double>(counts[t]);
+        continue;
+      }
+      chi2 += (counts[t] - expected) * (counts[t] - expected) / expected;
+      ++bins;
+    }
+    if (pooled_expected > 0) {
+      chi2 += (pooled_observed - pooled_expected) * (pooled_observed - pooled_expected) /
+              std::max(pooled_expected, 1e-9);
+      ++bins;
+    }
+    if (bins > 1) EXPECT_GT(GammaQ((bins - 1) / 2.0, chi2 / 2.0), 1e-3) << "chi2 " << chi2;
+  }
+}
+
+TEST(VocabParallelSamplerTest, MaskedRowsDrawAllowedTokensAlikeOnOneTwoAndThreeRanks) {
+  constexpr int64_t kVocab = 128 * 9 + 37;
+  std::mt19937 rng(3);
+  std::vector<std::vector<float>> rows;
+  std::vector<SamplingParams> params;
+  std::vector<std::vector<uint32_t>> masks;
+  int seed = 0;
+  for (const Setting& setting : Settings()) {
+    for (int i = 0; i < 18; ++i, ++seed) {
+      rows.push_back(RandomLogits(kVocab, 2000 + seed, 2.5f));
+      SamplingParams p = setting.params;
+      p.seed = 7000 + seed;
+      p.logprobs = i % 2 == 0;
+      p.top_logprobs = i % 3 == 0 ? 4 : 0;
+      if (i % 4 == 0) p.temperature = 0.0f;
+      params.push_back(p);
+      switch (i % 6) {
+        case 0: masks.push_back({}); break;                                    // unconstrained
+        case 1: masks.push_back(RandomMask(kVocab, 0.3, rng)); break;          // dense
+        case 2: masks.push_back(RandomMask(kVocab, 0.004, rng)); break;        // a few ids
+        case 3: masks.push_back(RandomMask(kVocab, 0.5, rng, 900, 1000)); break;  // one slice only
+        case 4: masks.push_back(RandomMask(kVocab, 1e-9, rng, 1100, 1101)); break;  // one id
+        default: masks.push_back(RandomMask(kVocab, 0.9, rng, 0, 40)); break;    // the first slice
+      }
+    }
+  }
+  const auto one = SampleOnRanks(rows, params, {0, kVocab}, masks);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const SampledToken& t = one[0][i];
+    if (!masks[i].empty()) EXPECT_TRUE(Allowed(masks[i], t.id)) << "row " << i << " drew " << t.id;
+    if (i % 6 == 4) EXPECT_EQ(t.id, 1100) << "row " << i << ": the only allowed id";
+    if (params[i].logprobs) {
+      // Logprobs stay those of the raw logits.
+      double mx = -INFINITY, sum = 0;
+      for (float z : rows[i]) mx = std::max(mx, static_cast<double>(z));
+      for (float z : rows[i]) sum += std::exp(z - mx);
+      EXPECT_NEAR(t.logprob, rows[i][t.id] - mx - std::log(sum), 1e-4) << "row " << i;
+    }
+    if (params[i].temperature == 0.0f && !masks[i].empty() && params[i].logit_bias.empty() &&
+        params[i].repetition_penalty == 1.0f) {
+      // Greedy: the highest allowed logit.
+      int64_t best = -1;
+      for (int64_t id = 0; id < kVocab; ++id) {
+        if (Allowed(masks[i], id) && (best < 0 || rows[i][id] > rows[i][best])) best = id;
+      }
+      EXPECT_EQ(t.id, best) << "row " << i;
+    }
+  }
+  for (const std::vector<int64_t>& cuts :
+       {std::vector<int64_t>{0, 640, kVocab}, std::vector<int64_t>{0, 384, 768, kVocab},
+        std::vector<int64_t>{0, 0, 512, kVocab}}) {
+    SCOPED_TRACE(::testing::Message() << cuts.size() - 1 << " ranks, second cut " << cuts[1]);
+    const auto many = SampleOnRanks(rows, params, cuts, masks);
+    for (size_t r = 0; r < many.size(); ++r) {
+      for (size_t i = 0; i < rows.size(); ++i) {
+        EXPECT_EQ(many[r][i].id, one[0][i].id) << "row " << i << " on rank " << r;
+        EXPECT_NEAR(many[r][i].logprob, one[0][i].logprob, 1e-5);
       }
     }
   }

@@ -29,6 +29,18 @@ namespace exl3serve::worker {
 struct SequenceTokens {
   int64_t seq_id = 0;
   std::span<const int32_t> tokens;
+  // Structured output (coordinator/constrained/): the tokens each of this
+  // entry's draws may take, as bitmask rows of ceil(vocab_size() / 32)
+  // words (bit id % 32 of word id / 32 set = allowed; bits past the
+  // vocabulary ignored). Empty: every token. Otherwise one row per draw of
+  // a sampled entry — 1 for ForwardSampled, 1 + its draft count for
+  // ForwardVerified (row r for the draw after draft r - 1, computed as if
+  // drafts 0..r-1 were accepted) — and none for an unsampled entry
+  // (CheckAllowedTokens, worker/api/verified_forward.h). Ranks set the
+  // logits of masked tokens to -inf after penalties and bias, before the
+  // draw; logprobs stay those of the raw logits. A row that allows no token
+  // is refused (InvalidArgument) before anything runs.
+  std::span<const uint32_t> allowed_tokens{};
 };
 
 enum class LogitsRows {

@@ -1,5 +1,6 @@
 #include "worker/api/verified_forward.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -66,6 +67,40 @@ absl::Status CheckVerifiedRuns(std::span<const SequenceTokens> batch,
     if (vocab_size > 0 && (last < 0 || last >= vocab_size)) {
       return absl::DataLossError(absl::StrCat(where, " ends with token ", last,
                                               " outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAllowedTokens(std::span<const SequenceTokens> batch,
+                                std::span<const uint8_t> sample,
+                                std::span<const int32_t> draft_counts, int64_t vocab_size) {
+  const int64_t words = AllowedTokenWords(vocab_size);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const size_t have = batch[i].allowed_tokens.size();
+    if (have == 0) continue;
+    const int64_t draws =
+        sample[i] == 0 ? 0 : 1 + (draft_counts.empty() ? 0 : std::max(0, draft_counts[i]));
+    if (draws == 0 || have != static_cast<size_t>(draws * words)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "entry ", i, " (sequence ", batch[i].seq_id, ") has ", have,
+          " allowed-token mask words; ", draws, " draws of a ", vocab_size,
+          "-token vocabulary take ", draws * words, " (or none)"));
+    }
+    // Every row allows a token of the vocabulary (bits past it do not count).
+    const std::span<const uint32_t> all = batch[i].allowed_tokens;
+    const uint32_t tail = vocab_size % 32 == 0 ? ~0u : (1u << (vocab_size % 32)) - 1u;
+    for (int64_t r = 0; r < draws; ++r) {
+      bool any = false;
+      for (int64_t w = 0; w < words && !any; ++w) {
+        const uint32_t bits = all[static_cast<size_t>(r * words + w)];
+        any = (w + 1 < words ? bits : bits & tail) != 0;
+      }
+      if (!any) {
+        return absl::InvalidArgumentError(absl::StrCat("entry ", i, " (sequence ", batch[i].seq_id,
+                                                       ") has an allowed-token mask row ", r,
+                                                       " that allows no token"));
+      }
     }
   }
   return absl::OkStatus();

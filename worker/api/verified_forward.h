@@ -41,6 +41,20 @@ absl::Status CheckVerifiedRuns(std::span<const SequenceTokens> batch,
                                std::span<const int32_t> draft_counts, int64_t vocab_size,
                                const std::vector<std::vector<SampledToken>>& runs);
 
+// OK when every entry's allowed_tokens (SequenceTokens) is empty or holds
+// exactly one mask row of ceil(vocab_size / 32) words per draw: 1 for a
+// sampled entry, 1 + draft_counts[i] when draft_counts is not empty (a
+// verified forward), and none on an unsampled entry, and every row allows
+// at least one token of the vocabulary. InvalidArgument naming the entry,
+// its sequence and the sizes (or the empty row) otherwise. Requires sample (and
+// draft_counts, when not empty) to hold one value per entry.
+absl::Status CheckAllowedTokens(std::span<const SequenceTokens> batch,
+                                std::span<const uint8_t> sample,
+                                std::span<const int32_t> draft_counts, int64_t vocab_size);
+
+// Words of one mask row for a vocabulary of `vocab_size`.
+inline int64_t AllowedTokenWords(int64_t vocab_size) { return (vocab_size + 31) / 32; }
+
 }  // namespace exl3serve::worker
 
 #endif  // EXL3SERVE_WORKER_API_VERIFIED_FORWARD_H_

@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "worker/api/verified_forward.h"
 
 namespace exl3serve::worker {
 
@@ -29,8 +30,10 @@ absl::Status RunSampledForward(const Transformer& model, PagedKvCache* cache,
       return absl::NotFoundError(absl::StrCat("sampled forward: sequence ", batch[i].seq_id,
                                               " was not added with sampling parameters"));
     }
-    rows.push_back({batch[i].seq_id, static_cast<int64_t>(i)});
+    rows.push_back({batch[i].seq_id, static_cast<int64_t>(i),
+                    batch[i].allowed_tokens.empty() ? nullptr : batch[i].allowed_tokens.data()});
   }
+  EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, {}, model.vocab_size()));
   EXL3_RETURN_IF_ERROR(model.ForwardVocabSlice(batch, LogitsRows::kLastToken, cache, slice));
   for (const SequenceTokens& entry : batch) sampler->Observe(entry.seq_id, entry.tokens);
   std::vector<SampledToken> drawn;
@@ -79,6 +82,8 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
     rows_total += last_rows[i];
     max_draft = std::max(max_draft, d);
   }
+  EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, draft_counts, model.vocab_size()));
+  const int64_t mask_words = AllowedTokenWords(model.vocab_size());
   EXL3_RETURN_IF_ERROR(model.ForwardVocabSliceLastRows(batch, last_rows, cache, slice));
   for (size_t i = 0; i < batch.size(); ++i) {
     sampler->Observe(batch[i].seq_id, batch[i].tokens.first(batch[i].tokens.size() - draft_counts[i]));
@@ -91,7 +96,9 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
     std::vector<size_t> entries;
     for (size_t i = 0; i < batch.size(); ++i) {
       if (live[i] == 0) continue;
-      rows.push_back({batch[i].seq_id, first_row[i] + round});
+      const std::span<const uint32_t> allowed = batch[i].allowed_tokens;
+      rows.push_back({batch[i].seq_id, first_row[i] + round,
+                      allowed.empty() ? nullptr : allowed.data() + round * mask_words});
       entries.push_back(i);
     }
     if (rows.empty()) break;

@@ -91,6 +91,27 @@ bool Get(std::string_view& in, T* v) {
 constexpr int kTopPBuckets = 16;
 constexpr int kTopPNats = 40;
 
+// row[i] = -inf for every i in [0, n) whose id begin + i has no bit in
+// `allowed` (a whole-vocabulary mask). Whole words of allowed ids are
+// skipped, so an almost unconstrained row costs one pass over n / 32 words.
+void MaskDisallowed(const uint32_t* allowed, int64_t begin, int64_t n, float* row) {
+  int64_t i = 0;
+  while (i < n) {
+    const int64_t id = begin + i;
+    const uint32_t word = allowed[id >> 5];
+    const int bit = static_cast<int>(id & 31);
+    const int64_t span = std::min<int64_t>(32 - bit, n - i);
+    const uint32_t bits = word >> bit;
+    const uint32_t want = span == 32 ? 0xffffffffu : ((1u << span) - 1u);
+    if ((bits & want) != want) {
+      for (int64_t k = 0; k < span; ++k) {
+        if (((bits >> k) & 1u) == 0) row[i + k] = -INFINITY;
+      }
+    }
+    i += span;
+  }
+}
+
 bool Unfiltered(const SamplingParams& p, int64_t vocab) {
   return (p.top_k == 0 || p.top_k >= vocab) && p.top_p >= 1.0f && p.min_p <= 0.0f;
 }
@@ -202,7 +223,8 @@ int64_t VocabSampler::position(int64_t seq_id) const {
   return it == seqs_.end() ? -1 : it->second.length;
 }
 
-void VocabSampler::Prepare(const Sequence& seq, float* row, RowWork& w) const {
+void VocabSampler::Prepare(const Sequence& seq, float* row, const uint32_t* allowed,
+                           RowWork& w) const {
   const SamplingParams& p = seq.params;
   const int64_t n = end_ - begin_;
   // Raw statistics first (logprobs are those of the raw logits).
@@ -240,6 +262,7 @@ void VocabSampler::Prepare(const Sequence& seq, float* row, RowWork& w) const {
     const double b = bias;
     patch(id, [b](double z) { return z + b; });
   }
+  if (allowed != nullptr) MaskDisallowed(allowed, begin_, n, row);
   if (n == 0) return;
   const SliceMax mx = MaxOfSlice(row, n);
   w.local.max = mx.value;
@@ -273,7 +296,9 @@ absl::Status VocabSampler::Sample(std::span<const SampleRow> rows, float* slice_
     w.u = CounterUniform(*p.seed, it->second.length);
   }
   kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
-  pool.ParallelFor(n_rows, 0, [&](int64_t j, int) { Prepare(*work[j].seq, work[j].row, work[j]); });
+  pool.ParallelFor(n_rows, 0, [&](int64_t j, int) {
+    Prepare(*work[j].seq, work[j].row, rows[j].allowed, work[j]);
+  });
 
   // Phase 1: slice statistics of every rank.
   std::vector<SliceStats> stats(static_cast<size_t>(n_rows * world));
@@ -518,7 +543,12 @@ absl::Status VocabSampler::Sample(std::span<const SampleRow> rows, float* slice_
       for (int64_t r : order) mass += prob[r];
       const double target = w.u * mass;
       double cumulative = 0.0;
-      int64_t pick = kept > 0 ? order.back() : -1;
+      // When rounding leaves target unreached: the last kept token with
+      // mass (a masked candidate, -inf, has none and is never drawn).
+      int64_t pick = -1;
+      for (int64_t r : order) {
+        if (prob[r] > 0.0) pick = r;
+      }
       for (int64_t r : order) {
         cumulative += prob[r];
         if (target < cumulative) {

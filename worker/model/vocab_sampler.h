@@ -60,6 +60,12 @@ namespace exl3serve::worker {
 struct SampleRow {
   int64_t seq_id = 0;
   int64_t logits_row = 0;
+  // Structured output: a bitmask over the whole vocabulary (bit id % 32 of
+  // word id / 32 set = allowed; SequenceTokens::allowed_tokens). The row's
+  // masked tokens get -inf after penalties and bias, so none can be drawn
+  // while one is allowed; logprobs stay those of the raw logits. Null: every
+  // token.
+  const uint32_t* allowed = nullptr;
 };
 
 class VocabSampler {
@@ -103,8 +109,9 @@ class VocabSampler {
   };
   struct RowWork;
 
-  // Phase 0 for one row: penalties in place, slice statistics, candidates.
-  void Prepare(const Sequence& seq, float* row, RowWork& work) const;
+  // Phase 0 for one row: penalties and the allowed-token mask in place,
+  // slice statistics, candidates.
+  void Prepare(const Sequence& seq, float* row, const uint32_t* allowed, RowWork& work) const;
 
   const int64_t begin_, end_, vocab_;
   comm::Communicator* const comm_;

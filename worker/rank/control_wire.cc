@@ -67,6 +67,11 @@ void WireWriter::I32s(const int32_t* v, size_t n) {
   Raw(v, n * sizeof(int32_t));
 }
 
+void WireWriter::U32s(const uint32_t* v, size_t n) {
+  U32(static_cast<uint32_t>(n));
+  Raw(v, n * sizeof(uint32_t));
+}
+
 void WireWriter::F32s(const float* v, size_t n) {
   U64(n);
   Raw(v, n * sizeof(float));
@@ -134,6 +139,17 @@ std::vector<int32_t> WireReader::I32s() {
   }
   std::vector<int32_t> v(n);
   Raw(v.data(), n * sizeof(int32_t));
+  return v;
+}
+
+std::vector<uint32_t> WireReader::U32s() {
+  const uint32_t n = U32();
+  if (!ok_ || (data_.size() - pos_) / sizeof(uint32_t) < n) {
+    ok_ = false;
+    return {};
+  }
+  std::vector<uint32_t> v(n);
+  Raw(v.data(), n * sizeof(uint32_t));
   return v;
 }
 

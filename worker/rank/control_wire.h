@@ -28,7 +28,8 @@ namespace exl3serve::worker::rank {
 // 3: sequences that sample on the ranks (kAddSampledSequence, kForwardSampled).
 // 4: prefix cache (cached prefix, KV disk tier).
 // 5: speculative verification (kForwardVerified).
-inline constexpr uint32_t kControlWireVersion = 5;
+// 6: allowed-token masks (structured output) in sampled and verified forwards.
+inline constexpr uint32_t kControlWireVersion = 6;
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
@@ -39,12 +40,13 @@ enum class ControlOp : uint8_t {
                         // n x {i64 seq, i32[] tokens, i32[] newly assigned pages}
   kShutdown = 4,        // no payload; the rank replies OK and exits 0
   kAddSampledSequence = 5,  // i64 seq_id, then EncodeSequenceSampling
-  kForwardSampled = 6,      // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample};
+  kForwardSampled = 6,      // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample,
+                            // u32[] allowed-token mask rows};
                             // rank 0 replies EncodeSampledTokens of the n entries
   kSaveKvBlocks = 7,        // EncodeKvBlockTransfers; pages -> disk-tier slots
   kLoadKvBlocks = 8,        // EncodeKvBlockTransfers; rank 0 replies u8[] loaded flags
   kForwardVerified = 9,     // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample,
-                            // i32 draft count}; rank 0 replies EncodeSampledRuns of the n entries
+                            // i32 draft count, u32[] allowed-token mask rows}; rank 0 replies EncodeSampledRuns of the n entries
 };
 
 
@@ -58,6 +60,7 @@ class WireWriter {
   void F32(float v) { Raw(&v, 4); }
   void Str(std::string_view s);
   void I32s(const int32_t* v, size_t n);
+  void U32s(const uint32_t* v, size_t n);
   void F32s(const float* v, size_t n);
   const std::string& data() const { return buf_; }
   std::string Take() { return std::move(buf_); }
@@ -80,6 +83,7 @@ class WireReader {
   float F32();
   std::string Str();
   std::vector<int32_t> I32s();
+  std::vector<uint32_t> U32s();
   std::vector<float> F32s();
   bool ok() const { return ok_; }
   bool at_end() const { return pos_ == data_.size(); }

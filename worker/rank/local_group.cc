@@ -379,12 +379,14 @@ absl::Status LocalGroup::ForwardSampled(std::span<const SequenceTokens> batch,
   if (sample.size() != batch.size()) {
     return absl::InvalidArgumentError("sampled forward: one sample flag per batch entry");
   }
+  EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, {}, vocab_size_));
   WireWriter w;
   w.U8(static_cast<uint8_t>(ControlOp::kForwardSampled));
   w.U32(static_cast<uint32_t>(batch.size()));
   for (size_t i = 0; i < batch.size(); ++i) {
     WriteEntry(batch[i], &w);
     w.U8(sample[i]);
+    w.U32s(batch[i].allowed_tokens.data(), batch[i].allowed_tokens.size());
   }
   std::string body;
   EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));
@@ -403,6 +405,7 @@ absl::Status LocalGroup::ForwardVerified(std::span<const SequenceTokens> batch,
                                          std::span<const int32_t> draft_counts,
                                          std::vector<std::vector<SampledToken>>* runs) {
   EXL3_RETURN_IF_ERROR(CheckDraftCounts(batch, sample, draft_counts));
+  EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, draft_counts, vocab_size_));
   WireWriter w;
   w.U8(static_cast<uint8_t>(ControlOp::kForwardVerified));
   w.U32(static_cast<uint32_t>(batch.size()));
@@ -410,6 +413,7 @@ absl::Status LocalGroup::ForwardVerified(std::span<const SequenceTokens> batch,
     WriteEntry(batch[i], &w);
     w.U8(sample[i]);
     w.I32(draft_counts[i]);
+    w.U32s(batch[i].allowed_tokens.data(), batch[i].allowed_tokens.size());
   }
   std::string body;
   EXL3_RETURN_IF_ERROR(RoundTrip(w.data(), step_timeout_, &body));

@@ -1,5 +1,6 @@
 #include "worker/rank/rank_executor.h"
 
+#include <algorithm>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -134,8 +135,25 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
             "forward: sequence ids and assigned page lists differ in count");
       }
       std::vector<SequenceTokens> batch(command.batch_seq_ids.size());
+      if (!command.batch_allowed.empty() &&
+          command.batch_allowed.size() != command.batch_seq_ids.size()) {
+        return absl::InvalidArgumentError(
+            "forward: sequence ids and allowed-token masks differ in count");
+      }
       for (size_t i = 0; i < batch.size(); ++i) {
         batch[i] = {command.batch_seq_ids[i], command.batch_tokens[i]};
+        if (!command.batch_allowed.empty()) batch[i].allowed_tokens = command.batch_allowed[i];
+      }
+      const bool any_mask =
+          std::any_of(command.batch_allowed.begin(), command.batch_allowed.end(),
+                      [](const std::vector<uint32_t>& m) { return !m.empty(); });
+      if (any_mask) {
+        // Before the pages, like the draft counts.
+        if (command.batch_sample.empty()) {
+          return absl::InvalidArgumentError("forward: allowed-token masks on an unsampled forward");
+        }
+        EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, command.batch_sample, command.batch_draft,
+                                                rank.model->vocab_size()));
       }
       if (!command.batch_draft.empty()) {
         // Before the pages: a refused verification changes nothing.

@@ -135,6 +135,10 @@ struct RankCommand {
   // decoding; needs batch_sample): per entry, how many of its last tokens are
   // draft tokens. Runs of drawn tokens are returned, not tokens or logits.
   std::vector<int32_t> batch_draft;
+  // kForward, sampled or verified: per entry, its allowed-token mask rows
+  // (SequenceTokens::allowed_tokens; structured output). Empty, or one list
+  // per entry (an empty list: every token).
+  std::vector<std::vector<uint32_t>> batch_allowed;
   // kSaveKvBlocks / kLoadKvBlocks: pages <-> disk-tier slots.
   std::vector<KvBlockTransfer> transfers;
 };

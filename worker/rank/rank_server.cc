@@ -69,7 +69,9 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
     }
     case ControlOp::kForwardSampled: {
       const uint32_t n = in.U32();
-      if (!in.ok() || n > kMaxFrameBytes / 13) {
+      // An entry takes at least 21 bytes (i64, two empty lists, u8, an
+      // empty list).
+      if (!in.ok() || n > in.rest().size() / 21) {
         return absl::InvalidArgumentError("sampled forward: malformed batch header");
       }
       command.op = RankCommand::Op::kForward;
@@ -77,11 +79,13 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       command.batch_tokens.resize(n);
       command.batch_new_pages.resize(n);
       command.batch_sample.resize(n);
+      command.batch_allowed.resize(n);
       for (uint32_t i = 0; i < n && in.ok(); ++i) {
         command.batch_seq_ids[i] = in.I64();
         command.batch_tokens[i] = in.I32s();
         command.batch_new_pages[i] = in.I32s();
         command.batch_sample[i] = in.U8();
+        command.batch_allowed[i] = in.U32s();
       }
       EXL3_RETURN_IF_ERROR(in.Finish("sampled forward"));
       std::vector<SampledToken> tokens;
@@ -91,8 +95,9 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
     }
     case ControlOp::kForwardVerified: {
       const uint32_t n = in.U32();
-      // An entry takes at least 21 bytes (i64, two empty lists, u8, i32).
-      if (!in.ok() || n > in.rest().size() / 21) {
+      // An entry takes at least 25 bytes (i64, two empty lists, u8, i32,
+      // an empty list).
+      if (!in.ok() || n > in.rest().size() / 25) {
         return absl::InvalidArgumentError("verified forward: malformed batch header");
       }
       command.op = RankCommand::Op::kForward;
@@ -101,12 +106,14 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       command.batch_new_pages.resize(n);
       command.batch_sample.resize(n);
       command.batch_draft.resize(n);
+      command.batch_allowed.resize(n);
       for (uint32_t i = 0; i < n && in.ok(); ++i) {
         command.batch_seq_ids[i] = in.I64();
         command.batch_tokens[i] = in.I32s();
         command.batch_new_pages[i] = in.I32s();
         command.batch_sample[i] = in.U8();
         command.batch_draft[i] = in.I32();
+        command.batch_allowed[i] = in.U32s();
       }
       EXL3_RETURN_IF_ERROR(in.Finish("verified forward"));
       if (n == 0) return absl::InvalidArgumentError("verified forward: no batch entries");

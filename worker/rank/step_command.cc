@@ -78,6 +78,8 @@ absl::StatusOr<RankCommand> RankCommandFromStep(const pb::Step& step, uint64_t g
         command.batch_seq_ids.push_back(seq.seq_id());
         command.batch_tokens.emplace_back(seq.token_ids().begin(), seq.token_ids().end());
         command.batch_new_pages.emplace_back(seq.block_ids().begin(), seq.block_ids().end());
+        command.batch_allowed.emplace_back(seq.allowed_tokens().begin(),
+                                           seq.allowed_tokens().end());
         if (forward.verified()) {
           command.batch_draft.push_back(seq.num_draft());
         } else if (seq.num_draft() != 0 && status.ok()) {
