@@ -111,6 +111,7 @@ const char* FinishName(v1::FinishReason reason) {
     case v1::FINISH_REASON_EOS: return "eos";
     case v1::FINISH_REASON_STOP_STRING: return "stop_string";
     case v1::FINISH_REASON_ABORT: return "abort";
+    case v1::FINISH_REASON_CONSTRAINT_COMPLETE: return "constraint_complete";
     default: return "unspecified";
   }
 }

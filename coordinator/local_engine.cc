@@ -14,6 +14,7 @@
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
+#include "worker/api/verified_forward.h"
 
 namespace exl3serve::coordinator {
 namespace {
@@ -74,6 +75,9 @@ bool GroupBroken(const absl::Status& status) {
 bool Contains(const std::vector<int32_t>& ids, int32_t id) {
   return std::find(ids.begin(), ids.end(), id) != ids.end();
 }
+
+// Compiled constraints kept by the engine (least recently used evicted).
+constexpr size_t kConstraintCacheEntries = 64;
 
 absl::Status Invalid(const std::string& field, const std::string& rule) {
   return absl::InvalidArgumentError(absl::StrCat(field, ": ", rule));
@@ -358,11 +362,78 @@ absl::StatusOr<LocalEngine::Pending> LocalEngine::Validate(
   if (request.deadline_ms() < 0) {
     return Invalid("deadline_ms", absl::StrCat("must be >= 0, got ", request.deadline_ms()));
   }
+  if (request.has_constraint()) {
+    EXL3_ASSIGN_OR_RETURN(p.constraint, CompileRequestConstraint(request.constraint()));
+  }
   p.arrival = options_.clock();
   const absl::Duration limit = request.deadline_ms() > 0 ? absl::Milliseconds(request.deadline_ms())
                                                          : options_.default_deadline;
   p.deadline = limit == absl::InfiniteDuration() ? absl::InfiniteFuture() : p.arrival + limit;
   return p;
+}
+
+absl::StatusOr<std::shared_ptr<const constrained::CompiledConstraint>>
+LocalEngine::CompileRequestConstraint(const v1::OutputConstraint& constraint) const {
+  constrained::ConstraintSpec spec;
+  std::string field = "constraint";
+  switch (constraint.kind_case()) {
+    case v1::OutputConstraint::kJsonSchema:
+      spec.kind = constrained::ConstraintKind::kJsonSchema;
+      spec.text = constraint.json_schema();
+      field = "constraint.json_schema";
+      break;
+    case v1::OutputConstraint::kRegex:
+      spec.kind = constrained::ConstraintKind::kRegex;
+      spec.text = constraint.regex();
+      field = "constraint.regex";
+      break;
+    case v1::OutputConstraint::kChoice:
+      spec.kind = constrained::ConstraintKind::kChoice;
+      spec.choices.assign(constraint.choice().choices().begin(), constraint.choice().choices().end());
+      field = "constraint.choice";
+      if (spec.choices.empty()) return Invalid(field, "lists no choices");
+      break;
+    case v1::OutputConstraint::kGrammar:
+      spec.kind = constrained::ConstraintKind::kGrammar;
+      spec.text = constraint.grammar();
+      field = "constraint.grammar";
+      break;
+    default:
+      return Invalid("constraint", "set json_schema, regex, choice or grammar");
+  }
+  if (tokenizer_ == nullptr) {
+    return Invalid(field, absl::StrCat("structured output needs the model's tokenizer; ",
+                                       options_.model_dir, " has no tokenizer.json"));
+  }
+  absl::StatusOr<std::shared_ptr<const constrained::CompiledConstraint>> compiled;
+  {
+    absl::MutexLock lock(&constraint_mu_);
+    if (constraints_ == nullptr) {
+      absl::StatusOr<std::shared_ptr<const constrained::TokenVocabulary>> vocab =
+          constrained::TokenVocabulary::FromTokenizer(*tokenizer_, vocab_size_,
+                                                      facts_.eos_token_ids);
+      if (!vocab.ok()) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("structured output: the model's vocabulary: ", vocab.status().message()));
+      }
+      constraints_ = std::make_unique<constrained::ConstraintCache>(*std::move(vocab),
+                                                                    kConstraintCacheEntries);
+    }
+  }
+  // The cache is thread-safe: compiling runs outside constraint_mu_.
+  constrained::ConstraintCache* cache = nullptr;
+  {
+    absl::MutexLock lock(&constraint_mu_);
+    cache = constraints_.get();
+  }
+  compiled = cache->Get(spec);
+  if (!compiled.ok()) {
+    if (absl::IsInvalidArgument(compiled.status())) {
+      return Invalid(field, std::string(compiled.status().message()));
+    }
+    return compiled.status();
+  }
+  return compiled;
 }
 
 bool LocalEngine::AdmitsRequests() const {
@@ -494,6 +565,8 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_spec_decode_num_drafts(stat_spec_drafts_);
   info.set_spec_decode_num_draft_tokens(stat_spec_draft_tokens_);
   info.set_spec_decode_num_accepted_tokens(stat_spec_accepted_tokens_);
+  info.set_structured_output_masks(stat_constraint_masks_);
+  info.set_structured_output_mask_seconds_total(stat_constraint_mask_seconds_);
   return info;
 }
 
@@ -590,6 +663,7 @@ void LocalEngine::Loop() {
           live.decoder.emplace(*tokenizer_, DecodeOptions{.skip_special_tokens = live.p.skip_special_tokens});
         }
         if (!live.p.stop_strings.empty()) live.stops.emplace(live.p.stop_strings);
+        if (live.p.constraint != nullptr) live.matcher.emplace(live.p.constraint);
         if (drafting_) {
           if (options_.speculative == SpeculativeMethod::kNgram) {
             live.drafter.emplace(options_.ngram);
@@ -702,7 +776,14 @@ void LocalEngine::Step() {
   batch.reserve(out.batch.size());
   sample.reserve(out.batch.size());
   bool any_draft = false;
-  for (const ScheduledChunk& c : out.batch) {
+  // Structured output: each constrained draw's allowed tokens; entries whose
+  // constraint no token can continue (they fail after the forward).
+  std::vector<std::vector<uint32_t>> masks(out.batch.size());
+  std::vector<uint8_t> unsatisfiable(out.batch.size(), 0);
+  const absl::Time masks_start = absl::Now();
+  bool any_mask = false;
+  for (size_t i = 0; i < out.batch.size(); ++i) {
+    const ScheduledChunk& c = out.batch[i];
     // The scheduler's block table is authoritative: the ranks get exactly
     // these pages (remote executors send them with this forward).
     if (!c.new_blocks.empty()) {
@@ -710,11 +791,28 @@ void LocalEngine::Step() {
         return OnExecutorFailure(s);
       }
     }
-    batch.push_back({c.seq_id, c.tokens});
+    int32_t num_draft = static_cast<int32_t>(c.num_draft);
+    if (c.needs_logits) {
+      Live& live = live_.at(c.seq_id);
+      if (live.matcher) {
+        any_mask = true;
+        // Drafts the constraint refuses are cut here (their positions'
+        // pages stay assigned, as with a rejected draft).
+        if (!FillChunkMasks(live, c.tokens.subspan(1, static_cast<size_t>(num_draft)), &num_draft,
+                            &masks[i])) {
+          unsatisfiable[i] = 1;
+          masks[i].clear();
+        }
+      }
+    }
+    batch.push_back({c.seq_id, c.tokens.first(c.tokens.size() - static_cast<size_t>(c.num_draft) +
+                                              static_cast<size_t>(num_draft)),
+                     masks[i]});
     sample.push_back(c.needs_logits ? 1 : 0);
-    draft_counts.push_back(static_cast<int32_t>(c.num_draft));
+    draft_counts.push_back(num_draft);
     any_draft = any_draft || c.num_draft > 0;
   }
+  if (any_mask) constraint_mask_seconds_ += absl::ToDoubleSeconds(absl::Now() - masks_start);
   const absl::Time forward_start = options_.clock();
   if (any_draft) {
     absl::Status s = executor_->ForwardVerified(batch, sample, draft_counts, &runs_);
@@ -725,8 +823,12 @@ void LocalEngine::Step() {
                          << "); speculative decoding is off";
       drafting_ = false;
       any_draft = false;
+      const size_t words = static_cast<size_t>(worker::AllowedTokenWords(vocab_size_));
       for (size_t i = 0; i < batch.size(); ++i) {
         if (draft_counts[i] > 0) batch[i].tokens = batch[i].tokens.first(1);
+        if (!batch[i].allowed_tokens.empty()) {
+          batch[i].allowed_tokens = batch[i].allowed_tokens.first(words);
+        }
         draft_counts[i] = 0;
       }
     } else if (!s.ok()) {
@@ -744,6 +846,12 @@ void LocalEngine::Step() {
   for (size_t i = 0; i < out.batch.size(); ++i) {
     const ScheduledChunk& c = out.batch[i];
     if (!c.needs_logits) continue;
+    if (unsatisfiable[i] != 0) {
+      Fail(c.seq_id, absl::StatusCode::kInvalidArgument,
+           "constraint: no token of the model's vocabulary can continue the output here (the "
+           "vocabulary lacks the bytes the constraint needs next)");
+      continue;
+    }
     Live& live = live_.at(c.seq_id);
     ++sampled_sequences_;
     const int32_t drafted = draft_counts[i];
@@ -837,6 +945,7 @@ void LocalEngine::ProposeDrafts() {
     if (k <= 0) continue;
     if (live.drafter) {
       std::vector<int32_t> draft = live.drafter->Propose(k);
+      ConstrainDraft(live, &draft);
       budget -= static_cast<int64_t>(draft.size());
       if (!draft.empty()) scheduler_.ProposeDraft(seq_id, std::move(draft));
     } else {
@@ -851,8 +960,46 @@ void LocalEngine::ProposeDrafts() {
     return;
   }
   for (size_t i = 0; i < requests.size(); ++i) {
+    ConstrainDraft(live_.at(requests[i].seq_id), &drafts[i]);
     scheduler_.ProposeDraft(requests[i].seq_id, std::move(drafts[i]));
   }
+}
+
+void LocalEngine::ConstrainDraft(Live& live, std::vector<int32_t>* draft) {
+  if (!live.matcher) return;
+  size_t accepted = 0;
+  while (accepted < draft->size() && live.matcher->AcceptToken((*draft)[accepted]).ok()) {
+    ++accepted;
+  }
+  draft->resize(accepted);
+  if (accepted > 0) live.matcher->Rollback(static_cast<int>(accepted)).IgnoreError();
+}
+
+bool LocalEngine::FillChunkMasks(Live& live, std::span<const int32_t> drafts, int32_t* num_draft,
+                                 std::vector<uint32_t>* rows) {
+  constrained::TokenMatcher& matcher = *live.matcher;
+  const size_t words = static_cast<size_t>(matcher.mask_words());
+  rows->assign(words * (drafts.size() + 1), 0);
+  auto allows = [&](size_t row, int32_t id) {
+    return id >= 0 && ((*rows)[row * words + static_cast<size_t>(id) / 32] >> (id % 32)) & 1u;
+  };
+  size_t row = 0;
+  bool any = false;
+  for (;; ++row) {
+    matcher.FillNextTokenMask(std::span<uint32_t>(rows->data() + row * words, words));
+    ++constraint_masks_;
+    if (row == 0) {
+      for (size_t w = 0; w < words && !any; ++w) any = (*rows)[w] != 0;
+    }
+    if (row == drafts.size()) break;
+    // Row r + 1 is the draw after draft r: walk the draft while it is allowed.
+    if (!allows(row, drafts[row]) || !matcher.AcceptToken(drafts[row]).ok()) break;
+  }
+  // `row` drafts were walked; the rows past them are dropped with the drafts.
+  if (row > 0) matcher.Rollback(static_cast<int>(row)).IgnoreError();
+  *num_draft = static_cast<int32_t>(row);
+  rows->resize(words * (row + 1));
+  return any;
 }
 
 bool LocalEngine::OnRun(int64_t seq_id, Live& live, std::span<const worker::SampledToken> run,
@@ -901,6 +1048,16 @@ bool LocalEngine::OnRun(int64_t seq_id, Live& live, std::span<const worker::Samp
       Complete(seq_id, request_stop ? v1::FINISH_REASON_STOP : v1::FINISH_REASON_EOS, "");
       return true;
     }
+    if (live.matcher) {
+      if (absl::Status s = live.matcher->AcceptToken(token.id); !s.ok()) {
+        text += flush_text();
+        if (chunk->token_ids_size() > 0 || !text.empty()) send();
+        Fail(seq_id, absl::StatusCode::kInternal,
+             absl::StrCat("the ranks drew token ", token.id,
+                          ", which the request's constraint does not allow: ", s.message()));
+        return true;
+      }
+    }
     live.output.push_back(token.id);
     chunk->add_token_ids(static_cast<uint32_t>(token.id));
     if (p.sampling.logprobs) chunk->add_logprobs(token.logprob);
@@ -918,6 +1075,13 @@ bool LocalEngine::OnRun(int64_t seq_id, Live& live, std::span<const worker::Samp
     if (live.stops && live.stops->stopped()) {
       send();
       Complete(seq_id, v1::FINISH_REASON_STOP_STRING, live.stops->matched());
+      return true;
+    }
+    if (live.matcher && live.matcher->IsTerminated()) {
+      // Nothing but EOS could follow: end here rather than spend a step on it.
+      text += flush_text();
+      send();
+      Complete(seq_id, v1::FINISH_REASON_CONSTRAINT_COMPLETE, "");
       return true;
     }
     if (static_cast<int64_t>(live.output.size()) >= p.max_tokens) {
@@ -1055,6 +1219,8 @@ void LocalEngine::PublishStats() {
   stat_spec_drafts_ = spec_drafts_;
   stat_spec_draft_tokens_ = spec_draft_tokens_;
   stat_spec_accepted_tokens_ = spec_accepted_tokens_;
+  stat_constraint_masks_ = constraint_masks_;
+  stat_constraint_mask_seconds_ = constraint_mask_seconds_;
 }
 
 namespace {

@@ -60,6 +60,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "coordinator/constrained/constraint.h"
 #include "coordinator/engine.h"
 #include "coordinator/draft_governor.h"
 #include "coordinator/draft_length.h"
@@ -255,6 +256,8 @@ class LocalEngine final : public Engine {
     bool text_output = false;
     bool skip_special_tokens = true;
     bool use_prefix_cache = true;
+    // Structured output (GenerateRequest.constraint); null: none.
+    std::shared_ptr<const constrained::CompiledConstraint> constraint;
     absl::Time arrival;
     absl::Time deadline;
     ResponseCallback callback;
@@ -274,10 +277,25 @@ class LocalEngine final : public Engine {
     // draft window; absent when the engine does not draft.
     std::optional<NgramDrafter> drafter;
     std::optional<AdaptiveDraftLength> draft_length;
+    // Structured output: where the output stands in its constraint (every
+    // output token accepted; drafts are walked and rolled back).
+    std::optional<constrained::TokenMatcher> matcher;
   };
 
   // Validates and converts `request` (the caller holds no lock).
   absl::StatusOr<Pending> Validate(const v1::GenerateRequest& request) const;
+  // Compiles request.constraint (cached per constraint). InvalidArgument
+  // naming the field for a bad constraint or a model without a tokenizer.
+  absl::StatusOr<std::shared_ptr<const constrained::CompiledConstraint>> CompileRequestConstraint(
+      const v1::OutputConstraint& constraint) const;
+  // Cuts `draft` at its first token the sequence's constraint does not
+  // allow there (no-op without a constraint); the matcher is left as it was.
+  void ConstrainDraft(Live& live, std::vector<int32_t>* draft);
+  // The allowed-token mask rows of a constrained chunk's draws (1 + its
+  // drafts) into *rows; drafts the constraint refuses are cut (*num_draft
+  // shrinks). False when no token can continue the constraint.
+  bool FillChunkMasks(Live& live, std::span<const int32_t> drafts, int32_t* num_draft,
+                      std::vector<uint32_t>* rows);
 
   void Loop();
   // Runs one Schedule + Forward + sampling. Scheduler thread only.
@@ -317,6 +335,13 @@ class LocalEngine final : public Engine {
   // say, StepExecutor::kv_options()).
   const absl::Status kv_layout_error_;
 
+  // Structured output: the vocabulary's token bytes and compiled
+  // constraints, built at the first constrained request (thread-safe;
+  // null until then, and always without a tokenizer).
+  mutable absl::Mutex constraint_mu_;
+  mutable std::unique_ptr<constrained::ConstraintCache> constraints_
+      ABSL_GUARDED_BY(constraint_mu_);
+
   // --- Scheduler thread only ---
   std::unique_ptr<worker::StepExecutor> executor_;
   Scheduler scheduler_;
@@ -328,6 +353,9 @@ class LocalEngine final : public Engine {
   std::unique_ptr<DraftModel> draft_model_;  // kDraftModel's source
   DraftGovernor governor_;
   uint64_t spec_drafts_ = 0, spec_draft_tokens_ = 0, spec_accepted_tokens_ = 0;
+  // Structured output: mask rows computed and the time they took.
+  uint64_t constraint_masks_ = 0;
+  double constraint_mask_seconds_ = 0;
   // Steps that ran a forward, their wall time and the coordinator's share
   // (GetServerInfo num_steps, step_seconds_total, coordinator_seconds_total).
   uint64_t steps_ = 0;
@@ -360,6 +388,8 @@ class LocalEngine final : public Engine {
   uint64_t stat_spec_drafts_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_spec_draft_tokens_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t stat_spec_accepted_tokens_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t stat_constraint_masks_ ABSL_GUARDED_BY(mu_) = 0;
+  double stat_constraint_mask_seconds_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread thread_;  // the scheduler thread; joined by Shutdown
   absl::Mutex join_mu_;  // serialises Shutdown's join

@@ -194,6 +194,18 @@ struct CoordinatorMetrics::Impl {
                                        "accepted / drafts.")
                                  .Register(registry)
                                  .Add(model)),
+        constraint_masks(prometheus::BuildCounter()
+                             .Name("exl3serve:structured_output_masks_total")
+                             .Help("Structured output: allowed-token mask rows computed for "
+                                   "constrained draws (one per draw, drafts included).")
+                             .Register(registry)
+                             .Add(model)),
+        constraint_mask_seconds(prometheus::BuildCounter()
+                                    .Name("exl3serve:structured_output_mask_seconds_total")
+                                    .Help("Structured output: coordinator time spent computing "
+                                          "allowed-token masks.")
+                                    .Register(registry)
+                                    .Add(model)),
         disk_used(prometheus::BuildGauge()
                       .Name("exl3serve:prefix_cache_disk_used_blocks")
                       .Help("Prefix cache disk tier: slots holding a block now.")
@@ -280,6 +292,7 @@ struct CoordinatorMetrics::Impl {
   Counter &preemptions, &restarts, &replays, &prefix_queries, &prefix_hits, &prefix_evictions;
   Counter &disk_saved, &disk_hits, &disk_misses, &disk_evictions;
   Counter &spec_drafts, &spec_draft_tokens, &spec_accepted_tokens;
+  Counter &constraint_masks, &constraint_mask_seconds;
   Gauge& disk_used;
   Gauge& prefix_blocks;
   Counter &steps, &coordinator_seconds;
@@ -295,6 +308,8 @@ struct CoordinatorMetrics::Impl {
   uint64_t disk_misses_seen ABSL_GUARDED_BY(mu) = 0, disk_evictions_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t spec_drafts_seen ABSL_GUARDED_BY(mu) = 0, spec_draft_tokens_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t spec_accepted_tokens_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t constraint_masks_seen ABSL_GUARDED_BY(mu) = 0;
+  double constraint_mask_seconds_seen ABSL_GUARDED_BY(mu) = 0;
 };
 
 namespace {
@@ -332,6 +347,12 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
     CatchUp(m.spec_draft_tokens, info.spec_decode_num_draft_tokens(), &m.spec_draft_tokens_seen);
     CatchUp(m.spec_accepted_tokens, info.spec_decode_num_accepted_tokens(),
             &m.spec_accepted_tokens_seen);
+    CatchUp(m.constraint_masks, info.structured_output_masks(), &m.constraint_masks_seen);
+    if (info.structured_output_mask_seconds_total() > m.constraint_mask_seconds_seen) {
+      m.constraint_mask_seconds.Increment(info.structured_output_mask_seconds_total() -
+                                          m.constraint_mask_seconds_seen);
+      m.constraint_mask_seconds_seen = info.structured_output_mask_seconds_total();
+    }
   }
   m.prefix_blocks.Set(info.prefix_cache_blocks());
   m.disk_used.Set(static_cast<double>(info.prefix_cache_disk_used_blocks()));

@@ -227,17 +227,93 @@ void ParseStreamFlags(Fields& f, CompletionRequest* r) {
   }
   r->skip_special_tokens = f.Bool("skip_special_tokens").value_or(true);
   r->return_token_ids = f.Bool("return_token_ids").value_or(false);
+}
+
+// Structured output: OpenAI's response_format and vLLM's guided_* extras
+// (at most one of them) as the engine's OutputConstraint. A schema given as
+// an object is passed on as its JSON text; the engine compiles and refuses
+// unsupported keywords (400 naming the keyword).
+std::optional<v1::OutputConstraint> ParseOutputConstraint(Fields& f) {
+  std::optional<v1::OutputConstraint> out;
+  std::string first;
+  auto set = [&](const std::string& param) -> v1::OutputConstraint& {
+    if (out) Refuse(param, absl::StrCat("cannot be combined with ", first, " (one constraint per request)"));
+    first = param;
+    out.emplace();
+    return *out;
+  };
+  auto schema_text = [](const ojson& schema, const std::string& param) {
+    if (schema.is_string()) {
+      // vLLM accepts guided_json as a JSON string too.
+      ojson parsed = ojson::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_discarded()) Refuse(param, "is a string that is not valid JSON");
+      if (!parsed.is_object() && !parsed.is_boolean()) Refuse(param, "must be a JSON Schema object");
+      return parsed.dump();
+    }
+    if (!schema.is_object() && !schema.is_boolean()) {
+      Refuse(param, "must be a JSON Schema object, got " + TypeName(schema));
+    }
+    return schema.dump();
+  };
   if (const ojson* format = f.Get("response_format")) {
     if (!format->is_object()) Refuse("response_format", "must be an object, got " + TypeName(*format));
     Fields rf(*format, "response_format");
     const std::string type = rf.String("type").value_or("text");
-    if (type != "text") {
-      Refuse("response_format", absl::StrCat("type \"", type,
-                                             "\" is not supported yet: this server has no structured-"
-                                             "output masker; only \"text\""));
+    if (type == "json_object") {
+      set("response_format").set_json_schema(R"({"type":"object"})");
+      // llama.cpp's optional schema beside json_object.
+      if (const ojson* schema = rf.Get("schema")) {
+        out->set_json_schema(schema_text(*schema, "response_format.schema"));
+      }
+    } else if (type == "json_schema") {
+      const ojson* js = rf.Get("json_schema");
+      if (js == nullptr || !js->is_object()) {
+        Refuse("response_format.json_schema", "is required for type \"json_schema\" (an object "
+                                              "with name and schema)");
+      }
+      Fields jf(*js, "response_format.json_schema");
+      jf.String("name");
+      jf.String("description");
+      // strict or not, the schema is enforced (as vLLM does).
+      jf.Bool("strict");
+      const ojson* schema = jf.Get("schema");
+      v1::OutputConstraint& c = set("response_format");
+      c.set_json_schema(schema == nullptr ? "{}"
+                                          : schema_text(*schema, "response_format.json_schema.schema"));
+      jf.Finish();
+    } else if (type != "text") {
+      Refuse("response_format.type", absl::StrCat("must be \"text\", \"json_object\" or "
+                                                  "\"json_schema\", got \"", type, "\""));
     }
     rf.Finish();
   }
+  if (const ojson* schema = f.Get("guided_json")) {
+    set("guided_json").set_json_schema(schema_text(*schema, "guided_json"));
+  }
+  if (const ojson* regex = f.Get("guided_regex")) {
+    if (!regex->is_string()) Refuse("guided_regex", "must be a string, got " + TypeName(*regex));
+    set("guided_regex").set_regex(regex->get<std::string>());
+  }
+  if (const ojson* choice = f.Get("guided_choice")) {
+    if (!choice->is_array() || choice->empty()) {
+      Refuse("guided_choice", "must be a non-empty array of strings");
+    }
+    v1::OutputConstraint& c = set("guided_choice");
+    for (size_t i = 0; i < choice->size(); ++i) {
+      const ojson& e = (*choice)[i];
+      if (!e.is_string()) Refuse(absl::StrCat("guided_choice[", i, "]"), "must be a string, got " + TypeName(e));
+      c.mutable_choice()->add_choices(e.get<std::string>());
+    }
+  }
+  if (const ojson* grammar = f.Get("guided_grammar")) {
+    if (!grammar->is_string()) Refuse("guided_grammar", "must be a string, got " + TypeName(*grammar));
+    set("guided_grammar").set_grammar(grammar->get<std::string>());
+  }
+  for (const char* unsupported : {"guided_decoding_backend", "guided_whitespace_pattern",
+                                  "structural_tag"}) {
+    if (f.Get(unsupported) != nullptr) Refuse(unsupported, "is not supported");
+  }
+  return out;
 }
 
 // Text of a message's `content`: a string, or an array of text parts.
@@ -363,6 +439,9 @@ void ParseTools(Fields& f, CompletionRequest* r, v1::ChatInput* chat) {
         Refuse(path + ".function.name", absl::StrCat("\"", n, "\" is defined twice"));
       }
       names.push_back(n);
+      auto params = fn->find("parameters");
+      r->tool_parameters.push_back(params == fn->end() || params->is_null() ? std::string()
+                                                                            : params->dump());
     }
   }
   ToolChoice choice = names.empty() ? ToolChoice::kNone : ToolChoice::kAuto;
@@ -483,6 +562,7 @@ std::variant<CompletionRequest, ApiError> ParseChatCompletionRequest(std::string
     if (messages == nullptr) Refuse("messages", "is required");
     ParseMessages(*messages, g.mutable_chat());
     ParseSampling(f, g.mutable_sampling_params());
+    if (auto constraint = ParseOutputConstraint(f)) *g.mutable_constraint() = std::move(*constraint);
     ParseStreamFlags(f, &r);
     r.logprobs = f.Bool("logprobs").value_or(false);
     if (auto k = f.Int("top_logprobs", 0, 20)) {
@@ -513,6 +593,7 @@ std::variant<CompletionRequest, ApiError> ParseCompletionRequest(std::string_vie
     r.model = f.String("model").value_or("");
     v1::GenerateRequest base;
     ParseSampling(f, base.mutable_sampling_params());
+    if (auto constraint = ParseOutputConstraint(f)) *base.mutable_constraint() = std::move(*constraint);
     ParseStreamFlags(f, &r);
     if (auto k = f.Int("logprobs", 0, 20)) {  // the legacy API: alternatives per position
       r.logprobs = true;

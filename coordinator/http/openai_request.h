@@ -62,6 +62,10 @@ struct CompletionRequest {
   ToolChoice tool_choice = ToolChoice::kNone;  // kNone when no tools were sent
   std::string named_tool;        // kNamed: the function's name
   std::vector<std::string> tool_names;
+  // Each tool's `parameters` JSON Schema as JSON text (empty: none given),
+  // parallel to tool_names: a forced call (required, named) is constrained
+  // to it.
+  std::vector<std::string> tool_parameters;
   bool parallel_tool_calls = true;
   // One engine request per prompt (completions may carry several), with the
   // sampling parameters filled in and no request_id; the server submits

@@ -37,25 +37,51 @@ struct Inbox {
   std::deque<std::pair<int, v1::GenerateResponse>> queue ABSL_GUARDED_BY(mu);
 };
 
-// The engine's prompt text of `request` ends with this for a forced tool
-// call (tool_choice required or named), so the model writes the call's
-// remainder; the tool-call parser is fed it first.
-std::string ForcedToolCallPrefix(ToolCallFormat format, const std::string& named_tool) {
-  const std::string name = named_tool.empty() ? "" : absl::StrCat(named_tool, "\", ");
+// A forced tool call (tool_choice required or named): the engine's prompt
+// text ends with the format's opening marker, the output is constrained to
+// the call object ({"name": one of the allowed tools, "arguments" or
+// "parameters": that tool's parameter schema}), and once the object is
+// complete the closing marker is fed to the tool-call parser after it.
+struct ForcedToolCall {
+  std::string opening;
+  std::string closing;
+  std::string arguments_key;
+};
+ForcedToolCall ForcedToolCallFormat(ToolCallFormat format) {
   switch (format) {
     case ToolCallFormat::kHermes:
-      return named_tool.empty() ? "<tool_call>\n{\"name\": \""
-                                : absl::StrCat("<tool_call>\n{\"name\": \"", name, "\"arguments\": ");
+      return {"<tool_call>\n", "\n</tool_call>", "arguments"};
     case ToolCallFormat::kLlama3Json:
-      return named_tool.empty() ? "{\"name\": \""
-                                : absl::StrCat("{\"name\": \"", name, "\"parameters\": ");
+      return {"", "", "parameters"};
     case ToolCallFormat::kMistral:
-      return named_tool.empty() ? "[TOOL_CALLS][{\"name\": \""
-                                : absl::StrCat("[TOOL_CALLS][{\"name\": \"", name, "\"arguments\": ");
+      return {"[TOOL_CALLS][", "]", "arguments"};
     case ToolCallFormat::kNone:
       break;
   }
-  return "";
+  return {};
+}
+
+// The JSON Schema of a forced call: anyOf over the allowed tools (all for
+// required, the named one), each {"name": const, key: parameters}.
+std::string ForcedToolCallSchema(const CompletionRequest& request, const std::string& key) {
+  ojson any = ojson::array();
+  for (size_t i = 0; i < request.tool_names.size(); ++i) {
+    if (request.tool_choice == ToolChoice::kNamed && request.tool_names[i] != request.named_tool) {
+      continue;
+    }
+    ojson params = ojson{{"type", "object"}};
+    if (i < request.tool_parameters.size() && !request.tool_parameters[i].empty()) {
+      params = ojson::parse(request.tool_parameters[i], nullptr, /*allow_exceptions=*/false);
+      if (params.is_discarded()) params = ojson{{"type", "object"}};
+    }
+    ojson call = {{"type", "object"},
+                  {"properties", {{"name", {{"const", request.tool_names[i]}}}, {key, params}}},
+                  {"required", {"name", key}},
+                  {"additionalProperties", false}};
+    any.push_back(std::move(call));
+  }
+  if (any.size() == 1) return any[0].dump();
+  return ojson{{"anyOf", any}}.dump();
 }
 
 // `bytes` as logprobs' `token`: the text when it is valid UTF-8, else
@@ -89,6 +115,7 @@ struct CompletionSession::State {
     std::optional<ToolCallParser> tools;
     std::string echo;          // completions: the prompt text before the output
     std::string pending;       // a forced tool call's opening, fed to the parser with the first text
+    std::string closing;       // a forced tool call's closing, fed once its constraint is complete
     // Accumulated (non-stream response; also the usage).
     std::string content;
     std::string reasoning_text;
@@ -359,7 +386,9 @@ struct CompletionSession::State {
       default:
         c.finish_reason = "stop";
     }
-    Split s = SplitText(c, "", /*final=*/true);
+    // A forced tool call's object is complete: its closing marker ends it.
+    const bool closes = done.finish_reason() == v1::FINISH_REASON_CONSTRAINT_COMPLETE;
+    Split s = SplitText(c, closes ? c.closing : "", /*final=*/true);
     // vLLM keeps "stop" for a named tool choice.
     if (!c.calls.empty() && request.tool_choice != ToolChoice::kNamed) c.finish_reason = "tool_calls";
     EmitChunk(c, s, nullptr, c.finish_reason, sse);
@@ -453,6 +482,8 @@ std::variant<std::unique_ptr<CompletionSession>, ApiError> CompletionSession::St
   // exactly what the engine does with chat input.
   std::vector<v1::GenerateRequest> prompts = request.prompts;
   std::string forced_prefix;
+  std::string forced_closing;
+  std::optional<v1::OutputConstraint> forced_constraint;
   bool starts_in_reasoning = false;
   if (request.chat) {
     if (request.tool_choice != ToolChoice::kNone && options.tool_format == ToolCallFormat::kNone) {
@@ -460,8 +491,16 @@ std::variant<std::unique_ptr<CompletionSession>, ApiError> CompletionSession::St
                                  "parses (Hermes/Qwen <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])");
     }
     if (request.tool_choice == ToolChoice::kRequired || request.tool_choice == ToolChoice::kNamed) {
-      forced_prefix = ForcedToolCallPrefix(options.tool_format,
-                                           request.tool_choice == ToolChoice::kNamed ? request.named_tool : "");
+      if (prompts[0].has_constraint()) {
+        return BadRequest("tool_choice", "a forced tool call (required or named) is constrained to the "
+                                         "tool's parameters; it cannot be combined with response_format "
+                                         "or guided_* fields");
+      }
+      const ForcedToolCall call = ForcedToolCallFormat(options.tool_format);
+      forced_prefix = call.opening;
+      forced_closing = call.closing;
+      forced_constraint.emplace();
+      forced_constraint->set_json_schema(ForcedToolCallSchema(request, call.arguments_key));
     }
     absl::StatusOr<std::string> rendered = engine.RenderChat(prompts[0].chat());
     if (!rendered.ok()) {
@@ -477,10 +516,13 @@ std::variant<std::unique_ptr<CompletionSession>, ApiError> CompletionSession::St
     }
     starts_in_reasoning = options.reasoning && forced_prefix.empty() && PromptOpensReasoning(*rendered);
     v1::SamplingParams sampling = prompts[0].sampling_params();
+    std::optional<v1::OutputConstraint> constraint = forced_constraint;
+    if (prompts[0].has_constraint()) constraint = prompts[0].constraint();
     prompts[0].Clear();
     prompts[0].set_text(*rendered + forced_prefix);
     prompts[0].set_add_special_tokens(false);
     *prompts[0].mutable_sampling_params() = sampling;
+    if (constraint) *prompts[0].mutable_constraint() = std::move(*constraint);
   }
 
   for (size_t p = 0; p < prompts.size(); ++p) {
@@ -506,6 +548,7 @@ std::variant<std::unique_ptr<CompletionSession>, ApiError> CompletionSession::St
       c.content = echo;
       c.text_offset = echo.size();
       c.pending = forced_prefix;
+      c.closing = forced_closing;
       if (request.chat && options.reasoning && forced_prefix.empty()) c.reasoning.emplace(starts_in_reasoning);
       if (request.chat && request.tool_choice != ToolChoice::kNone) {
         c.tools.emplace(options.tool_format, RandomWord());

@@ -11,6 +11,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 
@@ -292,6 +293,49 @@ TEST_F(HttpServerTest, ToolChoiceRequiredAndNamedForceTheCall) {
     EXPECT_TRUE(j["choices"][0]["message"]["content"].is_null());
     // vLLM's convention: "tool_calls" for required, "stop" for a named choice.
     EXPECT_EQ(j["choices"][0]["finish_reason"], choice[0] == '"' ? "tool_calls" : "stop");
+    // The engine got the call object's schema as the request's constraint.
+    const v1::GenerateRequest sent = engine_.submitted().back();
+    ASSERT_TRUE(sent.has_constraint());
+    const json schema = json::parse(sent.constraint().json_schema());
+    EXPECT_EQ(schema["properties"]["name"]["const"], "get_weather") << schema.dump();
+    EXPECT_TRUE(schema["properties"].contains("arguments")) << schema.dump();
+    EXPECT_TRUE(absl::EndsWith(sent.text(), "<tool_call>\n")) << sent.text();
+  }
+}
+
+TEST_F(HttpServerTest, StructuredOutputFieldsBecomeTheEngineConstraint) {
+  StartServer();
+  struct Case {
+    std::string fields;
+    std::function<void(const v1::OutputConstraint&)> check;
+  };
+  const std::vector<Case> cases = {
+      {R"("response_format":{"type":"json_object"})",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(json::parse(c.json_schema()), json({{"type", "object"}})); }},
+      {R"("response_format":{"type":"json_schema","json_schema":{"name":"x","strict":true,"schema":{"type":"array"}}})",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(json::parse(c.json_schema()), json({{"type", "array"}})); }},
+      {R"("guided_json":{"type":"integer"})",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(json::parse(c.json_schema()), json({{"type", "integer"}})); }},
+      {R"("guided_json":"{\"type\":\"null\"}")",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(json::parse(c.json_schema()), json({{"type", "null"}})); }},
+      {R"("guided_regex":"a+b")", [](const v1::OutputConstraint& c) { EXPECT_EQ(c.regex(), "a+b"); }},
+      {R"("guided_choice":["x","y"])",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(c.choice().choices_size(), 2); }},
+      {R"("guided_grammar":"root ::= \"a\"")",
+       [](const v1::OutputConstraint& c) { EXPECT_EQ(c.grammar(), "root ::= \"a\""); }},
+  };
+  for (const Case& c : cases) {
+    for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
+      const std::string input = std::string(path) == "/v1/completions" ? R"("prompt":"hi")"
+                                                                        : R"("messages":[{"role":"user","content":"hi"}])";
+      RawResponse r = Call(port(), "POST", path, absl::StrCat("{", input, ",", c.fields, "}"));
+      ASSERT_EQ(r.status, 200) << c.fields << " -> " << r.body;
+      const json j = json::parse(r.body);
+      EXPECT_EQ(j["choices"][0]["finish_reason"], "stop") << r.body;  // CONSTRAINT_COMPLETE
+      const v1::GenerateRequest sent = engine_.submitted().back();
+      ASSERT_TRUE(sent.has_constraint()) << c.fields;
+      c.check(sent.constraint());
+    }
   }
 }
 
@@ -386,8 +430,14 @@ TEST_F(HttpServerTest, ClientMistakesAre400NamingTheField) {
            {R"({"messages":[{"role":"user","content":"x"}],"temperature":"hot"})", "temperature"},
            {R"({"messages":[{"role":"user","content":"x"}],"top_logprobs":21,"logprobs":true})", "top_logprobs"},
            {R"({"messages":[{"role":"user","content":"x"}],"frobnicate":1})", "frobnicate"},
-           {R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"}})",
-            "response_format"},
+           {R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"xml"}})",
+            "response_format.type"},
+           {R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"},"guided_regex":"a+"})",
+            "guided_regex"},
+           {R"({"messages":[{"role":"user","content":"x"}],"guided_choice":[]})", "guided_choice"},
+           {R"({"messages":[{"role":"user","content":"x"}],"guided_json":"{nope"})", "guided_json"},
+           {R"({"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema"}})",
+            "response_format.json_schema"},
            {R"({"messages":[{"role":"user","content":"x"}],"tool_choice":"required"})", "tool_choice"},
            {R"({"messages":[{"role":"user","content":"x"}],"logit_bias":{"abc":1}})", "logit_bias.abc"},
            {R"({"messages":[{"role":"user","content":"x"}],"n":0})", "n"},

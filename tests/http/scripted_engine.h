@@ -6,8 +6,10 @@
 // step, max_tokens ends it with LENGTH.
 //
 // Scripts (first match on the prompt text):
-//   ends with `{"name": "`            -> `get_weather", "arguments": {"city": "Paris"}}` + "\n</tool_call>"
-//   ends with `"arguments": `         -> `{"city": "Paris"}` + "}\n</tool_call>"
+//   a constraint and ends with "<tool_call>\n" (a forced call)
+//                                     -> `{"name": "get_weather", "arguments": {"city": "Paris"}}`,
+//                                        completed with FINISH_REASON_CONSTRAINT_COMPLETE
+//   another constraint                -> `{"ok": true}` (the same completion)
 //   contains "tool:"                  -> "It is sunny in Paris."          (a tool result came back)
 //   contains "weather" and "Tools:"   -> a Hermes <tool_call> for get_weather
 //   contains "think"                  -> "<think>Two and two.</think>\n\nFour."
@@ -39,11 +41,13 @@ class ScriptedEngine final : public coordinator::Engine {
       : step_(step), chunk_bytes_(chunk_bytes), thread_([this] { Loop(); }) {}
   ~ScriptedEngine() override { Shutdown(); }
 
-  static std::string ScriptFor(const std::string& prompt) {
-    if (absl::EndsWith(prompt, "{\"name\": \"")) {
-      return "get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+  static std::string ScriptFor(const std::string& prompt, bool constrained = false) {
+    if (constrained) {
+      if (absl::EndsWith(prompt, "<tool_call>\n")) {
+        return "{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}";
+      }
+      return "{\"ok\": true}";
     }
-    if (absl::EndsWith(prompt, "\"arguments\": ")) return "{\"city\": \"Paris\"}}\n</tool_call>";
     if (absl::StrContains(prompt, "tool:")) return "It is sunny in Paris.";
     if (absl::StrContains(prompt, "weather") && absl::StrContains(prompt, "Tools:")) {
       return "Let me check.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": "
@@ -79,7 +83,8 @@ class ScriptedEngine final : public coordinator::Engine {
     }
     Live l;
     l.callback = std::move(cb);
-    l.script = absl::StrContains(prompt, "slow") ? "" : ScriptFor(prompt);
+    l.constrained = request.has_constraint();
+    l.script = absl::StrContains(prompt, "slow") ? "" : ScriptFor(prompt, l.constrained);
     l.endless = absl::StrContains(prompt, "slow");
     l.silent_steps = absl::StrContains(prompt, "wait") ? 100 : 0;
     l.max_tokens = request.sampling_params().max_tokens() > 0 ? request.sampling_params().max_tokens() : 1 << 30;
@@ -187,6 +192,7 @@ class ScriptedEngine final : public coordinator::Engine {
     bool aborted = false;
     uint32_t prompt_tokens = 0;
     uint64_t seed = 0;
+    bool constrained = false;  // ends with FINISH_REASON_CONSTRAINT_COMPLETE
   };
 
   void Loop() {
@@ -227,7 +233,7 @@ class ScriptedEngine final : public coordinator::Engine {
             complete(v1::FINISH_REASON_LENGTH);
             erase = true;
           } else if (!l.endless && l.pos >= l.script.size()) {
-            complete(v1::FINISH_REASON_EOS);
+            complete(l.constrained ? v1::FINISH_REASON_CONSTRAINT_COMPLETE : v1::FINISH_REASON_EOS);
             erase = true;
           } else {
             std::string piece = l.endless ? "tick " : l.script.substr(l.pos, chunk_bytes_);
