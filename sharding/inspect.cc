@@ -33,6 +33,16 @@ std::string FormatModelSummary(const Exl3Model& model) {
                             "not built\n",
                             dense, a.shared_expert_intermediate_size, a.num_mtp_layers);
     }
+    if (a.mla()) {
+      // architectures.md §2: what attention holds and caches per token.
+      absl::StrAppendFormat(
+          &out,
+          "mla: q_lora_rank %s, kv_lora_rank %d, q/k head %d nope + %d rope, v %d; kv_b_proj "
+          "16-bit; latent cache %d + %d values per token per layer\n",
+          a.q_lora_rank > 0 ? absl::StrCat(a.q_lora_rank) : std::string("null (q_proj)"),
+          a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank,
+          a.qk_rope_head_dim);
+    }
   }
   if (qc.present) {
     absl::StrAppendFormat(&out,

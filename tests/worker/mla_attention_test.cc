@@ -15,6 +15,7 @@
 #include <tuple>
 #include <filesystem>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -59,6 +60,11 @@ struct Variant {
   bool q_lora = true;
   bool peaked = false;
 };
+
+// gtest prints the parameter in test names and listings: its meaning.
+void PrintTo(const Variant& v, std::ostream* os) {
+  *os << (v.q_lora ? "q_lora_rank 72" : "q_lora_rank null") << (v.peaked ? ", peaked" : ", random");
+}
 
 class MlaAttentionTest : public ::testing::TestWithParam<Variant> {
  protected:
