@@ -986,7 +986,15 @@ bool LocalEngine::FillChunkMasks(Live& live, std::span<const int32_t> drafts, in
   size_t row = 0;
   bool any = false;
   for (;; ++row) {
-    matcher.FillNextTokenMask(std::span<uint32_t>(rows->data() + row * words, words));
+    const std::span<uint32_t> mask(rows->data() + row * words, words);
+    matcher.FillNextTokenMask(mask);
+    // ignore_eos: the output does not end at EOS, so EOS is not offered
+    // (the request still ends once the constraint is complete, before EOS).
+    if (live.p.ignore_eos) {
+      for (int32_t id : facts_.eos_token_ids) {
+        if (id >= 0 && static_cast<size_t>(id) / 32 < words) mask[id / 32] &= ~(1u << (id % 32));
+      }
+    }
     ++constraint_masks_;
     if (row == 0) {
       for (size_t w = 0; w < words && !any; ++w) any = (*rows)[w] != 0;
