@@ -13,6 +13,7 @@
 #include "sharding/exl3_model.h"
 #include "sharding/safetensors.h"
 #include "sharding/test_model.h"
+#include "worker/model/transformer.h"
 #include "tests/testing/scratch_dir.h"
 
 namespace exl3serve::worker {
@@ -97,6 +98,39 @@ TEST(CalibrationTest, CapturedHessianIsTheLayerInputGram) {
     }
   }
   EXPECT_LT(max_err, 1e-5 * max_abs) << "max |H - XᵀX/n| = " << max_err;
+}
+
+// GLM-4 MoE and DeepSeek-V3 (MLA): every quantized linear that every token
+// runs — attention (q_a, q_b, kv_a, o for MLA), dense MLP, shared expert —
+// gets a Hessian of all calibration tokens (the head: of each sequence's
+// last); kv_a shares q_a's input.
+// (Routed experts see only the tokens routed to them.)
+TEST(CalibrationTest, MoeAndMlaModelsObserveSharedExpertsAndMlaProjections) {
+  for (const sharding::TestModelOptions& o :
+       {sharding::Glm4MoeTestDefaults(), sharding::DeepseekV3TestDefaults()}) {
+    ScratchDir dir;
+    ASSERT_TRUE(sharding::WriteTestModel(dir.File("hf"), o).ok());
+    const auto sequences = RandomSequences(2, 21, 3);
+    auto hessians = CalibrationHessians::Collect(dir.File("hf"), sequences);
+    ASSERT_TRUE(hessians.ok()) << hessians.status();
+    auto config = ReadModelConfig(dir.File("hf"));
+    ASSERT_TRUE(config.ok());
+    int checked = 0;
+    for (const sharding::LinearSpec& l : config->arch.linears) {
+      if (!l.quantized || l.expert >= 0) continue;
+      auto h = (*hessians)->InputHessian(l);
+      ASSERT_TRUE(h.ok()) << l.key << ": " << h.status();
+      ASSERT_TRUE(h->has_value()) << o.arch << ": no Hessian for " << l.key;
+      EXPECT_EQ((*h)->count, l.is_head ? 2 : 2 * 21) << l.key;  // the head: last rows only
+      ++checked;
+    }
+    EXPECT_GT(checked, 10) << o.arch;
+    if (o.arch == "deepseek-v3") {
+      const sharding::LinearSpec* q_a = config->arch.Find(1, sharding::LinearRole::kQA);
+      const sharding::LinearSpec* kv_a = config->arch.Find(1, sharding::LinearRole::kKVA);
+      EXPECT_EQ((*(*hessians)->InputHessian(*q_a))->h, (*(*hessians)->InputHessian(*kv_a))->h);
+    }
+  }
 }
 
 // ||X·(W_eff - W)ᵀ|| / ||X·Wᵀ|| of q_proj on held-out layer-0 inputs X.

@@ -474,6 +474,11 @@ void Transformer::SetInputObserver(InputObserver* observer) {
     for (Expert& e : layer.experts) {
       for (Linear* l : {&e.gate, &e.up, &e.down}) l->set_input_observer(observer);
     }
+    // The shared expert (GLM, DeepSeek) too: without it convert --calib had
+    // no Hessian for shared_experts.* and quantized them uncalibrated.
+    for (Linear* l : {&layer.shared.gate, &layer.shared.up, &layer.shared.down}) {
+      l->set_input_observer(observer);
+    }
   }
   head_.set_input_observer(observer);
 }
