@@ -158,6 +158,21 @@ panel("Speculative decoding: draft and accepted tokens/s", [
 ], "short", 16, 80, w=8,
       description="serve --speculative ngram: drafts verified per second, their tokens, and those accepted.")
 
+panel("Structured output: mask time per row", [
+    ("sum(rate(exl3serve:structured_output_mask_seconds_total{%s}[%s])) / "
+     "sum(rate(exl3serve:structured_output_masks_total{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "seconds per mask row"),
+], "s", 0, 88, w=12,
+      description="Coordinator time to compute one constrained draw's allowed-token mask (JSON schema, "
+                  "regex, choice or grammar requests).")
+panel("Structured output: share of step time", [
+    ("sum(rate(exl3serve:structured_output_mask_seconds_total{%s}[%s])) / "
+     "sum(rate(exl3serve:engine_step_seconds_sum{%s}[%s]))" % (SEL, RATE, SEL, RATE),
+     "mask time / step time"),
+], "percentunit", 12, 88, w=12,
+      description="The scheduler thread computes masks before each step; this is their share of the "
+                  "engine's step time.")
+
 dashboard = {
     "title": "exl3serve",
     "uid": "exl3serve",
