@@ -15,6 +15,8 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -172,6 +174,9 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
     int top_k = 0;
     int64_t seed = -1;
     int64_t deadline_ms = 0;
+    // Structured output (GenerateRequest.constraint): one of these.
+    std::string json_schema_file, regex, grammar_file;
+    std::vector<std::string> choices;
     ClientCredentialOptions credentials;
   };
   auto args = std::make_shared<Args>();
@@ -200,6 +205,11 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
   app.add_option("--stop-ids", args->stop_ids, "comma-separated stop token ids");
   app.add_flag("--ignore-eos", args->ignore_eos, "do not stop at the model's EOS ids");
   app.add_flag("--logprobs", args->logprobs, "ask for the log-probability of every token");
+  app.add_option("--json-schema", args->json_schema_file,
+                 "constrain the output to the JSON Schema in this file ('{}' in it: any JSON value)");
+  app.add_option("--regex", args->regex, "constrain the output to this regular expression");
+  app.add_option("--choice", args->choices, "constrain the output to one of these strings (repeatable)");
+  app.add_option("--grammar", args->grammar_file, "constrain the output to the GBNF grammar in this file");
   app.add_option("--request-id", args->request_id, "request id (default: the server assigns one)");
   app.add_option("--deadline-ms", args->deadline_ms, "the request's end-to-end deadline (0 = server default)");
   app.add_option("--timeout-ms", args->timeout_ms, "gRPC deadline of each call (0 = none)");
@@ -281,6 +291,30 @@ CommandRunner RegisterClientCommand(CLI::App& app) {
     sampling.set_ignore_eos(args->ignore_eos);
     if (args->seed >= 0) sampling.set_seed(static_cast<uint64_t>(args->seed));
     sampling.set_logprobs(args->logprobs);
+    {
+      auto read = [](const std::string& path, const char* flag) -> absl::StatusOr<std::string> {
+        std::ifstream in(path);
+        if (!in) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot open"));
+        return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      };
+      const int given = !args->json_schema_file.empty() + !args->regex.empty() +
+                        !args->choices.empty() + !args->grammar_file.empty();
+      if (given > 1) {
+        return absl::InvalidArgumentError("give one of --json-schema, --regex, --choice, --grammar");
+      }
+      v1::OutputConstraint* c = given > 0 ? request.mutable_constraint() : nullptr;
+      if (!args->json_schema_file.empty()) {
+        EXL3_ASSIGN_OR_RETURN(std::string text, read(args->json_schema_file, "--json-schema"));
+        c->set_json_schema(text);
+      } else if (!args->regex.empty()) {
+        c->set_regex(args->regex);
+      } else if (!args->choices.empty()) {
+        for (const std::string& s : args->choices) c->mutable_choice()->add_choices(s);
+      } else if (!args->grammar_file.empty()) {
+        EXL3_ASSIGN_OR_RETURN(std::string text, read(args->grammar_file, "--grammar"));
+        c->set_grammar(text);
+      }
+    }
 
     grpc::ClientContext context;
     SetTimeout(context, args->timeout_ms);
