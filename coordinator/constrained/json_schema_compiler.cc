@@ -23,7 +23,12 @@ using json = nlohmann::json;
 
 constexpr const char* kJsonChar =
     R"((?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CeEfF][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2})))";
-constexpr const char* kNumberRegex = R"(-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?)";
+// Numbers: at most 18 integer digits, 18 fraction digits and a 2-digit
+// exponent, so every number is a finite double (JSON.parse("5e472") is
+// Infinity, which no validator takes for a number) and a model cannot pad
+// digits forever.
+constexpr const char* kNumberRegex = R"(-?(?:0|[1-9][0-9]{0,17})(?:\.[0-9]{1,18})?(?:[eE][+-]?[0-9]{1,2})?)";
+constexpr const char* kIntegerRegex = R"(-?(?:0|[1-9][0-9]{0,17}))";
 
 // Keywords that only annotate (ignored).
 const absl::flat_hash_set<std::string>& AnnotationKeywords() {
@@ -96,11 +101,11 @@ std::string NonNegativeRange(Int lo, Int hi) {
     for (size_t k = 0; k < len; ++k) pow *= 10;
     const Int top = pow - 1;
     if (hi < 0 && start == pow / 10 && len > lo_digits.size()) {
-      alts.push_back(absl::StrCat("[1-9][0-9]{", len - 1, ",}"));
+      alts.push_back(absl::StrCat("[1-9][0-9]{", len - 1, ",17}"));
       break;
     }
-    if (hi < 0 && len > 18) {
-      alts.push_back(absl::StrCat("[1-9][0-9]{", len - 1, ",}"));
+    if (hi < 0 && len >= 18) {
+      alts.push_back(absl::StrCat("[1-9][0-9]{", len - 1, ",17}"));
       break;
     }
     const Int end = hi >= 0 && hi < top ? hi : top;
@@ -130,8 +135,8 @@ std::string IntegerRangeRegex(bool has_lo, Int lo, bool has_hi, Int hi) {
 // Decimals (integer part, optional fraction, no exponent) with magnitude
 // in the interval from a to b (b < 0: unbounded), each end inclusive or not.
 std::string MagnitudeRange(Int a, bool a_incl, Int b, bool b_incl) {
-  const std::string frac = R"((?:\.[0-9]+)?)";
-  const std::string nonzero_frac = R"(\.[0-9]*[1-9][0-9]*)";
+  const std::string frac = R"((?:\.[0-9]{1,18})?)";
+  const std::string nonzero_frac = R"(\.0{0,17}[1-9][0-9]{0,17})";
   std::vector<std::string> alts;
   if (b >= 0 && a == b) {
     if (a_incl && b_incl) alts.push_back(Digits(a));
@@ -694,7 +699,7 @@ class SchemaCompiler {
       if (has_lo) ilo = static_cast<Int>(lo_incl ? std::ceil(lo) : std::floor(lo) + 1);
       if (has_hi) ihi = static_cast<Int>(hi_incl ? std::floor(hi) : std::ceil(hi) - 1);
       if (has_lo && has_hi && ilo > ihi) return Error(ptr, "no integer lies within the bounds");
-      pattern = has_lo || has_hi ? IntegerRangeRegex(has_lo, ilo, has_hi, ihi) : "-?(?:0|[1-9][0-9]*)";
+      pattern = has_lo || has_hi ? IntegerRangeRegex(has_lo, ilo, has_hi, ihi) : kIntegerRegex;
     } else if (!has_lo && !has_hi) {
       return Sequence{NumberValue()};
     } else {
