@@ -48,7 +48,7 @@ class GbnfParser {
     }
     auto root = names_.find("root");
     if (root == names_.end() || !defined_[root->second]) {
-      return absl::InvalidArgumentError("grammar: no rule 'root' (the start rule)");
+      return absl::InvalidArgumentError("no rule 'root' (the start rule)");
     }
     return root->second;
   }
@@ -65,7 +65,7 @@ class GbnfParser {
           ++col;
         }
       }
-      status_ = absl::InvalidArgumentError(absl::StrCat("grammar: ", std::string(what), " at ", line, ":", col));
+      status_ = absl::InvalidArgumentError(absl::StrCat(std::string(what), " at ", line, ":", col));
     }
     return status_;
   }

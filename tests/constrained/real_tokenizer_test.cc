@@ -1,0 +1,139 @@
+// The masker over real vocabularies: stories260K's SentencePiece-style
+// tokenizer (512 tokens, byte fallback; from ../shared, skipped without it)
+// and the Qwen3 byte-level BPE tokenizer (build/demo-tokenizer, fetched by
+// scripts/fetch-demo-tokenizer.sh; skipped without it). The vocabulary's
+// bytes follow the tokenizer (special ids and ids past it have none); JSON
+// documents encoded by the tokenizer replay token by token with the cached
+// mask equal to a naive trie walk at every step, ending in EOS.
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "coordinator/constrained/compiled_constraint.h"
+#include "coordinator/constrained/constraint.h"
+#include "coordinator/constrained/mask_cache.h"
+#include "coordinator/tokenizer/tokenizer.h"
+#include "gtest/gtest.h"
+#include "sharding/llama2c_tokenizer.h"
+#include "tests/testing/scratch_dir.h"
+#include "tests/testing/shared_data.h"
+
+namespace exl3serve::coordinator::constrained {
+namespace {
+
+bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
+
+// Longest-match ids of `text` over the vocabulary's bytes. (SentencePiece's
+// Encode adds a dummy-prefix space at the start of a text, which an output
+// continuing a prompt does not have.)
+std::vector<int32_t> GreedyIds(const TokenVocabulary& vocab, std::string_view text) {
+  std::vector<int32_t> ids;
+  for (size_t at = 0; at < text.size();) {
+    int32_t best = -1;
+    size_t best_len = 0;
+    for (int32_t id = 0; id < vocab.size(); ++id) {
+      auto b = vocab.token_bytes(id);
+      if (b && b->size() > best_len && text.substr(at).starts_with(*b)) best = id, best_len = b->size();
+    }
+    if (best < 0) return {};
+    ids.push_back(best);
+    at += best_len;
+  }
+  return ids;
+}
+
+// Replays `text` (plus EOS) and checks every mask against the naive walk.
+void Replay(const Tokenizer& tok, std::shared_ptr<const TokenVocabulary> vocab, int32_t eos,
+            const ConstraintSpec& spec, const std::string& text, bool greedy = false) {
+  SCOPED_TRACE(text);
+  auto compiled = CompileConstraint(spec, vocab);
+  ASSERT_TRUE(compiled.ok()) << compiled.status();
+  const auto& gc = static_cast<const GrammarConstraint&>(**compiled);
+  std::vector<int32_t> ids = greedy ? GreedyIds(*vocab, text) : tok.Encode(text);
+  ASSERT_FALSE(ids.empty());
+  ids.push_back(eos);
+  TokenMatcher m(*compiled);
+  std::vector<uint32_t> mask(m.mask_words());
+  NodeArena arena(false), scratch(false);
+  std::vector<Stack> state, next;
+  gc.pda().Initial(arena, state);
+  for (int32_t id : ids) {
+    m.FillNextTokenMask(mask);
+    std::vector<uint32_t> naive(mask.size(), 0);
+    TrieWalkScratch walk;
+    MarkAcceptedTokens(gc.pda(), gc.bytes().trie(), state, scratch, walk, naive);
+    if (m.IsComplete()) naive[eos >> 5] |= 1u << (eos & 31);
+    if (mask != naive) {
+      std::string diff;
+      for (int32_t t = 0; t < vocab->size(); ++t) {
+        if (Bit(mask, t) != Bit(naive, t)) {
+          diff += absl::StrCat(" ", t, Bit(mask, t) ? "+" : "-");
+        }
+      }
+      FAIL() << "cached mask != naive walk before token " << id << ":" << diff.substr(0, 2000);
+    }
+    ASSERT_TRUE(Bit(mask, id)) << "token " << id << " '" << vocab->token_bytes(id).value_or("<eos>") << "'";
+    ASSERT_TRUE(m.AcceptToken(id).ok());
+    if (id != eos) {
+      const std::string_view bytes = *vocab->token_bytes(id);
+      for (char c : bytes) {
+        gc.pda().Advance(state, static_cast<uint8_t>(c), arena, next);
+        state.swap(next);
+      }
+    }
+  }
+  EXPECT_TRUE(m.IsTerminated());
+}
+
+const char* kSchema =
+    R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0},"tags":{"type":"array","items":{"enum":["a","b c"]}}},"required":["name","age"]})";
+
+TEST(RealTokenizerTest, Stories260K) {
+  EXL3_REQUIRE_SHARED(bin, "models/stories260K/tok512.bin");
+  auto llama = sharding::ReadLlama2cTokenizer(bin, 512);
+  ASSERT_TRUE(llama.ok()) << llama.status();
+  testing::ScratchDir dir;
+  ASSERT_TRUE(sharding::WriteHfTokenizer(*llama, dir.path()).ok());
+  auto tok = Tokenizer::Load(dir.path());
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const int32_t eos = 2;
+  auto vocab = TokenVocabulary::FromTokenizer(**tok, 512, std::vector<int32_t>{eos});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  for (int32_t id = 0; id < 512; ++id) {
+    if ((*tok)->IsSpecial(id) || id == eos) continue;
+    auto b = (*vocab)->token_bytes(id);
+    if (b.has_value()) {
+      EXPECT_EQ(std::string(*b), *(*tok)->TokenBytes(id)) << id;
+    }
+  }
+  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
+         R"({"name": "Lily", "age": 3, "tags": ["b c", "a"]})", true);
+  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kRegex, .text = "Once upon a time, [a-z ]+\\."},
+         "Once upon a time, there was a little girl.", true);
+  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = "{}"},
+         R"({"story": "Tom had a big red ball.\nHe was happy!", "n": [1, 2.5, -3e2, true, null]})", true);
+}
+
+TEST(RealTokenizerTest, Qwen3ByteLevelBpe) {
+  const std::string dir = std::string(EXL3_SOURCE_DIR) + "/build/demo-tokenizer";
+  if (!std::filesystem::exists(dir + "/tokenizer.json")) {
+    GTEST_SKIP() << dir << " not found (scripts/fetch-demo-tokenizer.sh)";
+  }
+  auto tok = Tokenizer::Load(dir);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const int32_t eos = *(*tok)->TokenToId("<|im_end|>");
+  auto vocab = TokenVocabulary::FromTokenizer(**tok, 151936, std::vector<int32_t>{eos});
+  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  EXPECT_EQ((*vocab)->size(), 151936);
+  EXPECT_FALSE((*vocab)->token_bytes(eos).has_value());
+  EXPECT_FALSE((*vocab)->token_bytes(151935).has_value());  // past the tokenizer
+  EXPECT_FALSE((*vocab)->token_bytes(*(*tok)->TokenToId("<|im_start|>")).has_value());
+  EXPECT_EQ((*vocab)->token_bytes(*(*tok)->TokenToId("Ġthe")), " the");
+  EXPECT_FALSE(TokenVocabulary::FromTokenizer(**tok, 1000, std::vector<int32_t>{eos}).ok());
+  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
+         R"({"name": "Zoë \"Z\" Ōtani — 東京", "age": 41, "tags": ["a"]})");
+}
+
+}  // namespace
+}  // namespace exl3serve::coordinator::constrained
