@@ -71,10 +71,21 @@ const char* TorchDTypeName(DType dtype) {
 }
 
 // The loaded source model.
+// FP8 sources: DeepSeek-V3/R1 and Kimi K2 are published with F8_E4M3
+// linears, each with an fp32 `<module>.weight_scale_inv` of one scale per
+// block of weight_block_size (quantization_config, [128, 128]); the weight is
+// fp8 value x its block's scale (architectures.md §2.4: exllamav3 dequantizes
+// them the same way before quantizing).
+struct Fp8Blocks {
+  int64_t out = 128;
+  int64_t in = 128;
+};
+
 struct Source {
   std::unique_ptr<SafetensorsCheckpoint> ckpt;
   nlohmann::json config;
   ModelArch arch;
+  Fp8Blocks fp8_blocks;
 };
 
 // A conversion unit: consecutive linears converted and resumed together.
@@ -89,22 +100,81 @@ absl::Status CheckFloatDType(const SafetensorsCheckpoint::Located& t) {
   if (d == DType::kF16 || d == DType::kBF16 || d == DType::kF32) return absl::OkStatus();
   return absl::UnimplementedError(absl::StrCat(
       "tensor `", t.info->name, "` has dtype ", std::string(DTypeName(d)),
-      "; the converter reads BF16, F16 and F32 weights (dequantize FP8/int checkpoints first)"));
+      "; the converter reads BF16, F16 and F32 weights, and F8_E4M3 linear weights with a "
+      "`weight_scale_inv` (dequantize other FP8/int checkpoints first)"));
+}
+
+// An OCP E4M3 (e4m3fn) byte: bias 7, no infinities, 0x7F / 0xFF are NaN.
+float E4M3ToFloat(uint8_t b) {
+  const int exponent = (b >> 3) & 15, mantissa = b & 7;
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa) / 8.0f, -6)
+                                        : std::ldexp(1.0f + static_cast<float>(mantissa) / 8.0f,
+                                                     exponent - 7);
+  return (b & 0x80) ? -magnitude : magnitude;
+}
+
+std::string ScaleInvName(const std::string& weight_name) {
+  const std::string suffix(kWeightSuffix);
+  return weight_name.substr(0, weight_name.size() - suffix.size()) + ".weight_scale_inv";
+}
+
+// A linear weight `t` (out x in) as fp32: as stored, or an F8_E4M3 weight
+// times its `weight_scale_inv` block scales. Errors: Unimplemented for
+// another dtype; DataLoss, naming the tensors, for a missing or misshapen
+// scale or a NaN byte.
+absl::StatusOr<std::vector<float>> ReadLinearWeight(const SafetensorsCheckpoint& ckpt,
+                                                    const SafetensorsCheckpoint::Located& t,
+                                                    int64_t out, int64_t in, Fp8Blocks blocks) {
+  if (t.info->dtype != DType::kF8E4M3) {
+    EXL3_RETURN_IF_ERROR(CheckFloatDType(t));
+    return t.file->ReadAsFloat(*t.info);
+  }
+  const std::string scale_name = ScaleInvName(t.info->name);
+  auto scale = ckpt.Find(scale_name);
+  if (!scale) {
+    return absl::DataLossError(absl::StrCat("tensor `", t.info->name, "` is F8_E4M3 but `",
+                                            scale_name, "` (its block scales) is missing"));
+  }
+  EXL3_RETURN_IF_ERROR(CheckFloatDType(*scale));
+  const int64_t rows = (out + blocks.out - 1) / blocks.out;
+  const int64_t cols = (in + blocks.in - 1) / blocks.in;
+  if (scale->info->shape != std::vector<int64_t>{rows, cols}) {
+    return absl::DataLossError(absl::StrCat(
+        "tensor `", scale_name, "` has shape ", ShapeToString(scale->info->shape), ", blocks of [",
+        blocks.out, ",", blocks.in, "] (quantization_config.weight_block_size) over [", out, ",",
+        in, "] imply [", rows, ",", cols, "]"));
+  }
+  EXL3_ASSIGN_OR_RETURN(std::vector<float> scales, scale->file->ReadAsFloat(*scale->info));
+  std::vector<uint8_t> bytes(static_cast<size_t>(out * in));
+  t.file->ReadTensorBytes(*t.info, bytes.data());
+  std::vector<float> w(bytes.size());
+  for (int64_t r = 0; r < out; ++r) {
+    const float* row_scales = &scales[(r / blocks.out) * cols];
+    for (int64_t c = 0; c < in; ++c) {
+      const uint8_t b = bytes[r * in + c];
+      if ((b & 0x7F) == 0x7F) {
+        return absl::DataLossError(absl::StrCat("tensor `", t.info->name, "` holds NaN at [", r,
+                                                ",", c, "]"));
+      }
+      w[r * in + c] = E4M3ToFloat(b) * row_scales[c / blocks.in];
+    }
+  }
+  return w;
 }
 
 // Reads HF weight `name` (out x in) into a zero-padded (out_pad x in_pad) buffer.
 absl::StatusOr<std::vector<float>> LoadPaddedWeight(const SafetensorsCheckpoint& ckpt,
                                                     const std::string& name, int64_t out,
-                                                    int64_t in, int64_t out_pad, int64_t in_pad) {
+                                                    int64_t in, int64_t out_pad, int64_t in_pad,
+                                                    Fp8Blocks blocks) {
   auto t = ckpt.Find(name);
   if (!t) return absl::NotFoundError(absl::StrCat("tensor `", name, "` is missing"));
-  EXL3_RETURN_IF_ERROR(CheckFloatDType(*t));
   if (t->info->shape != std::vector<int64_t>{out, in}) {
     return absl::DataLossError(absl::StrCat("tensor `", name, "` has shape ",
                                             ShapeToString(t->info->shape),
                                             ", config.json implies [", out, ",", in, "]"));
   }
-  EXL3_ASSIGN_OR_RETURN(std::vector<float> w, t->file->ReadAsFloat(*t->info));
+  EXL3_ASSIGN_OR_RETURN(std::vector<float> w, ReadLinearWeight(ckpt, *t, out, in, blocks));
   if (out == out_pad && in == in_pad) return w;
   std::vector<float> padded(static_cast<size_t>(out_pad * in_pad), 0.0f);
   for (int64_t r = 0; r < out; ++r) {
@@ -155,6 +225,7 @@ std::set<std::string> LinearTensorNames(const ModelArch& arch) {
   for (const LinearSpec& l : arch.linears) {
     names.insert(l.key + std::string(kWeightSuffix));
     names.insert(l.key + std::string(kBiasSuffix));
+    names.insert(l.key + ".weight_scale_inv");  // FP8 sources: consumed with the weight
   }
   return names;
 }
@@ -289,6 +360,18 @@ absl::Status Converter::OpenSource() {
     return absl::InvalidArgumentError(absl::StrCat(
         opt_.in_dir, " is already an EXL3 model; convert from the original weights"));
   }
+  if (auto qc = src_.config.find("quantization_config");
+      qc != src_.config.end() && qc->is_object() && qc->contains("weight_block_size")) {
+    const nlohmann::json& block = (*qc)["weight_block_size"];
+    if (!block.is_array() || block.size() != 2 || !block[0].is_number_integer() ||
+        !block[1].is_number_integer() || block[0].get<int64_t>() <= 0 ||
+        block[1].get<int64_t>() <= 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          opt_.in_dir, "/config.json: `quantization_config.weight_block_size` must be two "
+          "integers > 0, got ", block.dump()));
+    }
+    src_.fp8_blocks = {block[0].get<int64_t>(), block[1].get<int64_t>()};
+  }
   absl::StatusOr<ModelArch> arch = ModelArchFromConfig(src_.config);
   if (!arch.ok()) return Annotate(arch.status(), opt_.in_dir);
   src_.arch = std::move(*arch);
@@ -307,7 +390,16 @@ absl::Status Converter::OpenSource() {
                                               "` is missing (", src_.arch.architecture,
                                               " layer ", l.layer, ")"));
     }
-    EXL3_RETURN_IF_ERROR(Annotate(CheckFloatDType(*t), opt_.in_dir));
+    if (t->info->dtype == DType::kF8E4M3) {
+      // An FP8 linear needs its block scales (read and checked with it).
+      if (!src_.ckpt->Has(ScaleInvName(name))) {
+        return absl::DataLossError(absl::StrCat(opt_.in_dir, ": tensor `", name,
+                                                "` is F8_E4M3 but `", ScaleInvName(name),
+                                                "` (its block scales) is missing"));
+      }
+    } else {
+      EXL3_RETURN_IF_ERROR(Annotate(CheckFloatDType(*t), opt_.in_dir));
+    }
     if (t->info->shape != std::vector<int64_t>{l.out_features, l.in_features}) {
       return absl::DataLossError(absl::StrCat(opt_.in_dir, ": tensor `", name, "` has shape ",
                                               ShapeToString(t->info->shape),
@@ -424,7 +516,8 @@ absl::Status Converter::ConvertGroup(const ModuleGroup& group, int group_index,
                                             : spec->out_features;
       EXL3_ASSIGN_OR_RETURN(std::vector<float> w,
                             LoadPaddedWeight(*src_.ckpt, weight_name, spec->out_features,
-                                             spec->in_features, out_pad, spec->in_features));
+                                             spec->in_features, out_pad, spec->in_features,
+                                             src_.fp8_blocks));
       tensors.push_back(TensorFromHalfBits(spec->key + std::string(kWeightSuffix), DType::kF16,
                                            {out_pad, spec->in_features}, ToHalfBits(w)));
       EXL3_ASSIGN_OR_RETURN(auto bias, LoadBiasHalf(*src_.ckpt, spec->key + ".bias",
@@ -443,7 +536,7 @@ absl::Status Converter::ConvertGroup(const ModuleGroup& group, int group_index,
     const int64_t n = PadToChannelGroup(spec->out_features);
     EXL3_ASSIGN_OR_RETURN(std::vector<float> w,
                           LoadPaddedWeight(*src_.ckpt, weight_name, spec->out_features,
-                                           spec->in_features, n, k));
+                                           spec->in_features, n, k, src_.fp8_blocks));
     // Calibration (§6.2): pad the provider's averaged H with zero rows and
     // columns for padded input channels, then damp and check it; a Hessian
     // without data falls back to quantization without error feedback.
