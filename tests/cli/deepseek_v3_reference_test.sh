@@ -22,8 +22,9 @@
 #     reference of the bf16 weights, greedy ids equal; kv_b_proj stays 16-bit;
 #   * the 8-bit latent cache (--kv-bits 8) on the peaked model: greedy ids
 #     equal to the reference, logits within REL_INT8_KV;
-#   * TP 2, TP 3 (heads 2/2/1), EP 2 and TP 2 x EP 2 (4 ranks) give the TP 1
-#     greedy ids, unquantized (random model) and EXL3 (peaked model).
+#   * TP 2, TP 3 (heads 2/2/1), EP 2, TP 2 x EP 2 (4 ranks) and TP 3 with
+#     uneven capacities 2,1,0.5 give the TP 1 greedy ids, unquantized (random
+#     model) and EXL3 (peaked model).
 # Needs /usr/bin/python3 with NumPy (else exit 77 = skip).
 set -euo pipefail
 BIN=$1
@@ -158,7 +159,7 @@ compare "$TMP/q.npy" "$TMP/peaked-ref.json" "$REL_EXL3_MAX" "deepseek-v3 peaked 
 # Parallel: the TP 1 greedy ids at TP 2, TP 3, EP 2 and TP 2 x EP 2.
 for model in ds ds-exl3; do
   [ $model = ds ] && base="$TMP/fp" || base="$TMP/q"
-  for par in "--tp 2" "--tp 3" "--tp 2 --ep 2" "--tp 4 --ep 2"; do
+  for par in "--tp 2" "--tp 3" "--tp 2 --ep 2" "--tp 4 --ep 2" "--tp 3 --capacities 2,1,0.5"; do
     # shellcheck disable=SC2086
     gen "$TMP/$model" "$TMP/par" $par --threads-per-rank 1
     cmp -s "$TMP/par.ids" "$base.ids" ||
