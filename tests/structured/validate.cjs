@@ -7,6 +7,8 @@
 //       keywords issue 20 lists; valid samples pass and invalid ones fail;
 //       regex/grammar examples match and non-examples do not; the JSON
 //       prefix/duplicate-key parser and the recursive checkers agree.
+//   node validate.cjs check --data DIR --item KEY --finish F --text FILE [--expect OUTPUTS --mode M]
+//       one output obtained elsewhere (the gRPC client), checked the same way.
 //   node validate.cjs run --base URL --data DIR --label NAME --tp N [options]
 //       sends the suites through the official `openai` npm client and checks
 //       every output. Options:
@@ -60,13 +62,18 @@ class JsonSyntaxError extends Error {}
 // Parses `text` as one JSON document (RFC 8259). Throws JsonSyntaxError; in
 // prefix mode, running out of text anywhere is a JsonPrefixEnd (a valid
 // prefix). Duplicate keys in an object are a syntax error here.
-function parseStrictJson(text, prefix = false) {
+function parseStrictJson(text, prefix = false, stats = {}) {
   let i = 0;
+  stats.maxWhitespaceRun = 0;
   const n = text.length;
   const fail = (what) => { throw new JsonSyntaxError(`${what} at offset ${i}: ${JSON.stringify(text.slice(Math.max(0, i - 20), i + 20))}`); };
   const end = () => { if (prefix) throw new JsonPrefixEnd(); fail('unexpected end'); };
   const peek = () => { if (i >= n) end(); return text[i]; };
-  const ws = () => { while (i < n && ' \t\n\r'.includes(text[i])) i++; };
+  const ws = () => {
+    const start = i;
+    while (i < n && ' \t\n\r'.includes(text[i])) i++;
+    stats.maxWhitespaceRun = Math.max(stats.maxWhitespaceRun, i - start);
+  };
   const lit = (word, value) => {
     for (let k = 0; k < word.length; k++, i++) {
       if (i >= n) end();
@@ -171,10 +178,18 @@ function parseStrictJson(text, prefix = false) {
   }
 }
 
+// Whitespace between JSON tokens: the masker allows a bounded amount (at most
+// a space after ':' and ','); a longer run means the model could pad.
+const MAX_WHITESPACE_RUN = 2;
+
 // { ok, error } for a whole document.
 function checkJsonDocument(text) {
   try {
-    parseStrictJson(text, false);
+    const stats = {};
+    parseStrictJson(text, false, stats);
+    if (stats.maxWhitespaceRun > MAX_WHITESPACE_RUN) {
+      return { ok: false, error: `a run of ${stats.maxWhitespaceRun} whitespace characters between tokens` };
+    }
     return { ok: true };
   } catch (e) {
     if (e instanceof JsonSyntaxError) return { ok: false, error: e.message };
@@ -183,10 +198,16 @@ function checkJsonDocument(text) {
 }
 // { ok, error } for a prefix of a document.
 function checkJsonPrefix(text) {
+  const stats = {};
   try {
-    parseStrictJson(text, true);
+    parseStrictJson(text, true, stats);
   } catch (e) {
-    if (e instanceof JsonPrefixEnd) return { ok: true };
+    if (e instanceof JsonPrefixEnd) {
+      if (stats.maxWhitespaceRun > MAX_WHITESPACE_RUN) {
+        return { ok: false, error: `a run of ${stats.maxWhitespaceRun} whitespace characters between tokens` };
+      }
+      return { ok: true };
+    }
     if (e instanceof JsonSyntaxError) return { ok: false, error: e.message };
     throw e;
   }
@@ -415,13 +436,14 @@ function selftest(dir) {
   // The strict JSON parser.
   for (const [text, ok] of [['{"a":1}', true], ['{"a":1,"a":2}', false], ['[1, 2 ]', true], ['01', false],
     ['"\\u00e9"', true], ['"a\nb"', false], ['{"a":}', false], ['1.', false], ['-0.5e+3', true], ['[1,]', false],
-    [' {} ', true], ['{"a":{"b":[true,false,null]}}', true], ['"\\x"', false], ['{} {}', false]]) {
+    [' {} ', true], ['{"a":{"b":[true,false,null]}}', true], ['"\\x"', false], ['{} {}', false],
+    ['{"a": 1, "b":  2}', true], ['{"a": 1, "b":   2}', false], ['["   "]', true]]) {
     expect(checkJsonDocument(text).ok === ok, `strict JSON ${text}: ${ok}`);
     expect(!ok || JSON.stringify(JSON.parse(text)) !== undefined, `JSON.parse ${text}`);
   }
   for (const [text, ok] of [['', true], ['{', true], ['{"a', true], ['{"a":', true], ['{"a":1', true],
     ['[1.', true], ['[1e', true], ['[1e-', true], ['tr', true], ['"\\u00', true], ['{"a":1,"a"', false],
-    ['{1', false], ['[01', false], ['[1,]', false], ['nul ', false], ['{"a":1}x', false], ['{"a":1} ', true]]) {
+    ['{1', false], ['[01', false], ['[1,]', false], ['nul ', false], ['{"a":1}x', false], ['{"a":1} ', true], ['[1,    ', false]]) {
     expect(checkJsonPrefix(text).ok === ok, `JSON prefix ${JSON.stringify(text)}: ${ok}`);
   }
   // Every valid sample's prefixes are JSON prefixes.
@@ -674,10 +696,10 @@ async function runMode(client, opts, model, items, mode, logStream) {
       res = { error: message, status };
       const issue = knownIssue(opts, item, message);
       // A vocabulary that cannot write the constraint's strings may refuse
-      // it; a known issue is reported; anything else answered with an error
-      // is a failure.
-      cls = issue ? { outcome: 'known', issue: issue.id, error: `${status}: ${message}` }
-        : !item.satisfiable ? { outcome: 'refused', error: `${status}: ${message}` }
+      // it; a known issue is reported (where the request should succeed);
+      // anything else answered with an error is a failure.
+      cls = !item.satisfiable ? { outcome: 'refused', error: `${status}: ${message}` }
+        : issue ? { outcome: 'known', issue: issue.id, error: `${status}: ${message}` }
           : { outcome: 'invalid', error: `error although the vocabulary can write a sample: ${status}: ${message}` };
     }
     const rec = { k, key: item.key, label: opts.label, tp: opts.tp, mode, suite: item.suite, name: item.name, ...cls,
@@ -828,11 +850,48 @@ async function run(argv) {
   }
 }
 
+// One output from elsewhere (e.g. `exl3serve client` over gRPC):
+//   check --data DIR --item KEY --finish F --text FILE [--expect OUTPUTS --mode MODE]
+// F: the gRPC finish reason (constraint_complete, eos, length, ...). With
+// --expect, the text must equal that mode's output of the item there.
+function check(argv) {
+  const o = { api: 'completions', suites: 'schemas,regex,grammar,choice,json_object', mode: 'greedy-batched' };
+  for (let k = 0; k < argv.length; k++) {
+    const v = () => argv[++k];
+    switch (argv[k]) {
+      case '--data': o.data = v(); break;
+      case '--item': o.item = v(); break;
+      case '--finish': o.finish = v(); break;
+      case '--text': o.text = fs.readFileSync(v(), 'utf8'); break;
+      case '--expect': o.expect = v(); break;
+      case '--mode': o.mode = v(); break;
+      default: throw new Error(`unknown argument ${argv[k]}`);
+    }
+  }
+  o.suites = o.suites.split(',');
+  const item = buildItems(loadData(o.data), o, newAjv()).find((i) => i.key === o.item);
+  if (!item) throw new Error(`no item ${o.item}`);
+  const finish = { constraint_complete: 'stop', eos: 'stop', length: 'length' }[o.finish] || o.finish;
+  const cls = classify(item, { text: o.text, finish });
+  let ok = cls.outcome === 'complete' || cls.outcome === 'length';
+  let note = '';
+  if (o.expect) {
+    const want = (JSON.parse(fs.readFileSync(o.expect, 'utf8'))[o.mode] || {})[o.item];
+    if (want === undefined) throw new Error(`no ${o.mode} output of ${o.item} in ${o.expect}`);
+    const same = want === JSON.stringify([o.text, null]);
+    note = same ? `, = ${o.mode} over HTTP` : `, != ${o.mode} over HTTP ${want}`;
+    ok = ok && same;
+  }
+  console.log(`${o.item}: ${cls.outcome} (finish ${o.finish})${cls.error ? ': ' + cls.error : ''}${note}: ${JSON.stringify(o.text)}`);
+  if (!ok) process.exit(1);
+}
+
 module.exports = { parseStrictJson, checkJsonDocument, checkJsonPrefix, arithmeticFull, arithmeticScan, balancedFull, balancedPrefix };
 
 if (require.main === module) {
   const [cmd, ...rest] = process.argv.slice(2);
   if (cmd === 'selftest') selftest(rest[0]);
+  else if (cmd === 'check') check(rest);
   else if (cmd === 'run') run(rest).catch((e) => { console.error('FAIL:', e.stack || e); process.exit(1); });
   else { console.error('usage: validate.cjs selftest DIR | run --base URL --data DIR --label L --tp N ...'); process.exit(2); }
 }
