@@ -567,7 +567,8 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
   absl::StatusOr<int> root = parser.Parse();
   if (!root.ok()) return root.status();
   NfaBuilder nfa(parser.nodes(), options.json_string_content);
-  const auto [start, accept] = nfa.Build(*root);
+  const std::pair<uint32_t, uint32_t> ends = nfa.Build(*root);
+  const uint32_t start = ends.first, accept = ends.second;
   if (nfa.overflow()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "regex '", std::string(name), "': automaton exceeds ", kMaxRegexNfaStates, " NFA states (kMaxRegexNfaStates)"));

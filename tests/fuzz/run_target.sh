@@ -10,6 +10,7 @@
 #   rank_protocol    Step messages to a loaded rank (needs a build: protobuf code, the binary for the model)
 #   rank_endpoint    RankMessages from a fake rank to the coordinator's RemoteRankGroup over gRPC
 #   cluster_config   the cluster YAML (coordinator --config, launch)  (needs a build's generated protobuf code)
+#   constraint       structured-output constraints: JSON Schema, regex, GBNF, choice (coordinator/constrained/)
 # Output in $EXL3_BUILD_DIR/fuzz-TARGET (default ./build): corpus/ (grows
 # across runs), seeds/, artifacts/ (reproducers). Non-zero exit on a finding.
 # Reproduce: <dir>/TARGET_fuzz FILE
@@ -216,8 +217,21 @@ PY
       '     rank_metrics_ports: [9401, 9402], nccl: {ib_hca: "mlx5_0:1"}}')"
     seed aliases.yaml "$(printf '%s\n' 'a: &a [1, 1]' 'b: &b [*a, *a]' 'model_dir: m' 'world_size: 2' 'capacities: *a')"
     ;;
+  constraint)
+    sources=("$src"/coordinator/constrained/*.cc "${tokenizer_sources[@]}")
+    pkgs=(icu-uc absl_status absl_statusor absl_strings absl_str_format absl_flat_hash_map absl_raw_hash_set absl_hash absl_synchronization)
+    max_len=4096
+    timeout=30
+    printf '\000%s' '{"type":"object","properties":{"a":{"type":"integer","minimum":-5,"maximum":300},"b":{"type":"array","items":{"$ref":"#/$defs/s"},"maxItems":3},"c":{"anyOf":[{"type":"null"},{"type":"number","exclusiveMaximum":10}]}},"required":["a"],"additionalProperties":{"type":"boolean"},"$defs":{"s":{"type":"string","pattern":"^[a-z]{2,4}$"}}}' >"$out/seeds/schema"
+    printf '\000%s' '{"type":"string","format":"date-time","minLength":1}' >"$out/seeds/schema_error"
+    printf '\001%s' '(?:[a-z]+|\d{1,3})@[^\s"]{2,}\.(com|org)$' >"$out/seeds/regex"
+    printf '\002%s' 'root ::= obj
+obj ::= "{" ( pair ("," pair)* )? "}"
+pair ::= [a-z]+ ":" ( [0-9]{1,3} | obj | "\u00e9" )' >"$out/seeds/grammar"
+    printf '\003yes\000no\000maybe' >"$out/seeds/choice"
+    ;;
   *)
-    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, rank_endpoint, cluster_config)" >&2
+    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, rank_endpoint, cluster_config, constraint)" >&2
     exit 2
     ;;
 esac
@@ -230,7 +244,7 @@ if [[ -x "$binary" ]]; then
   for f in "${all_sources[@]}" "$0"; do
     if [[ "$f" -nt "$binary" ]]; then needs_build=1; break; fi
   done
-  for f in "$src"/coordinator/tokenizer/*.h "$src"/coordinator/http/*.h "$src"/worker/model/model_config.h \
+  for f in "$src"/coordinator/tokenizer/*.h "$src"/coordinator/constrained/*.h "$src"/coordinator/http/*.h "$src"/worker/model/model_config.h \
            "$src"/sharding/*.h "$src"/kernels/*.h "$src"/cli/*.h; do
     if [[ "$f" -nt "$binary" ]]; then needs_build=1; break; fi
   done
