@@ -11,7 +11,8 @@
 #     descent checker); guided_choice; tool calls with tool_choice "required"
 #     and named (arguments validated by ajv against the tool's parameters);
 #   * greedy and seeded sampling, batched (every item at once) and alone (one
-#     request at a time; a rotating subset), the same tokens either way;
+#     request at a time; a rotating subset), the same tokens either way; on
+#     the demo model also streamed (the same outputs) and with n = 2;
 #   * the 400s: unsupported schema keywords (named), two constraints at once,
 #     malformed regexes and grammars, a forced tool call with a response_format;
 #   * on the Qwen3-tokenizer demo model (chat and completions; every suite
@@ -122,10 +123,13 @@ EOF
 ALL_MODES=greedy-batched,sampled-batched,greedy-alone,sampled-alone
 for tp in 1 2; do
   serve_start "$WORK/qwen3-demo" --tp $tp --http-port 0
-  validate --label qwen3-demo --tp $tp --api chat --modes $ALL_MODES --alone-every 3 --alone-offset $((tp - 1)) \
+  # TP 1 also streamed (the same outputs) and with n = 2 (each choice validates).
+  extra=$([ $tp = 1 ] && echo ,greedy-streamed,sampled-n2)
+  validate --label qwen3-demo --tp $tp --api chat --modes $ALL_MODES$extra --alone-every 3 --alone-offset $((tp - 1)) \
     --max-tokens 160 --errors --outputs "$WORK/qwen3-tp$tp.json" || fail "qwen3-demo TP $tp (chat)"
   # /v1/completions takes the same constraint fields.
-  validate --label qwen3-compl --tp $tp --api completions --modes greedy-batched,sampled-batched \
+  extra=$([ $tp = 2 ] && echo ,greedy-streamed,sampled-n2)
+  validate --label qwen3-compl --tp $tp --api completions --modes greedy-batched,sampled-batched$extra \
     --suites regex,grammar,choice,json_object --max-tokens 160 --errors --outputs "$WORK/compl-tp$tp.json" ||
     fail "qwen3-demo TP $tp (completions)"
   [ $tp = 2 ] && grpc_checks "$WORK/compl-tp$tp.json"
