@@ -258,10 +258,14 @@ absl::Status Transformer::LoadWeights(const sharding::Exl3Model& model,
         std::vector<float> identity(static_cast<size_t>(dc * dc), 0.0f), wt(dc * rows);
         for (int64_t i = 0; i < dc; ++i) identity[i * dc + i] = 1.0f;
         EXL3_RETURN_IF_ERROR(layer.kv_b.Forward(identity.data(), dc, wt.data()));
-        layer.w_kv_b.resize(static_cast<size_t>(rows * dc));
+        // Held once, as fp32 [out][dc]: the prefill path runs it as a linear,
+        // the absorbed decode reads its rows (kv_b.dense_weight()).
+        std::vector<float> w(static_cast<size_t>(rows * dc));
         for (int64_t i = 0; i < dc; ++i) {
-          for (int64_t o = 0; o < rows; ++o) layer.w_kv_b[o * dc + i] = wt[i * rows + o];
+          for (int64_t o = 0; o < rows; ++o) w[o * dc + i] = wt[i * rows + o];
         }
+        layer.kv_b = Linear::FromDense(std::move(w), dc, rows, {});
+        layer.kv_b.set_key(spec(l, LinearRole::kKVB, -1)->key);
         EXL3_ASSIGN_OR_RETURN(layer.o, load(spec(l, LinearRole::kO, -1),
                                             IndexRange{heads.begin * vd, heads.end * vd},
                                             all_hidden, part.o_bias));
@@ -871,7 +875,7 @@ absl::Status Transformer::MlaAttention(std::span<const SequenceTokens> batch, in
       pool.ParallelFor(count * nh, 0, [&](int64_t task, int worker) {
         const int64_t i = task / nh, head = task % nh;
         const float* qh = qb + (i * nh + head) * qd;
-        const float* w = &layer.w_kv_b[head * (n + vd) * dc];  // [n + vd][dc]
+        const float* w = layer.kv_b.dense_weight() + head * (n + vd) * dc;  // [n + vd][dc]
         Scratch& s = scratch[worker];
         std::fill(s.q.begin(), s.q.begin() + dc, 0.0f);
         for (int64_t d = 0; d < n; ++d) {

@@ -222,11 +222,11 @@ class Transformer {
     // MLA (config_.arch.mla()): q_a (+ q_a_norm) then q_b, or the plain q
     // above; kv_a and its norm on every rank; q_b, kv_b and o hold this
     // rank's query heads.
+    // kv_b (this rank's heads) is held as fp32 [head][nope + v][kv_lora]:
+    // W_UK_h (nope rows) then W_UV_h (v rows), read by the absorbed decode
+    // through dense_weight() and run as a linear by the prefill path.
     Linear q_a, q_b, kv_a, kv_b;
     std::vector<float> q_a_norm, kv_a_norm;
-    // kv_b's weight for this rank's heads as fp32 [head][nope + v][kv_lora]:
-    // W_UK_h (nope rows) then W_UV_h (v rows), for the absorbed decode.
-    std::vector<float> w_kv_b;
   };
 
   Transformer() = default;
