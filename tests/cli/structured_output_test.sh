@@ -24,7 +24,10 @@
 #     --json-schema/--regex/--grammar/--choice`: FINISH_REASON_CONSTRAINT_COMPLETE,
 #     the same text as /v1/completions).
 # Outputs cut by max_tokens ("length") are counted apart and checked as
-# prefixes where a checker can; most outputs must complete. Server bugs and
+# prefixes where a checker can; most outputs must complete; greedy ones cut
+# are continued (to 480 tokens on the demo model, as far as the small models'
+# contexts allow; the cut output must be a prefix of that one,
+# which validates like any other). Server bugs and
 # gaps found by the suite are listed in tests/structured/known_issues.json:
 # those errors are counted as "known" and reported, not failed. The summary
 # tables (per model/TP/mode and per suite: requests, complete, length-cut,
@@ -126,7 +129,7 @@ for tp in 1 2; do
   # TP 1 also streamed (the same outputs) and with n = 2 (each choice validates).
   extra=$([ $tp = 1 ] && echo ,greedy-streamed,sampled-n2)
   validate --label qwen3-demo --tp $tp --api chat --modes $ALL_MODES$extra --alone-every 3 --alone-offset $((tp - 1)) \
-    --max-tokens 160 --errors --outputs "$WORK/qwen3-tp$tp.json" || fail "qwen3-demo TP $tp (chat)"
+    --max-tokens 160 --extend-cut 480 --errors --outputs "$WORK/qwen3-tp$tp.json" || fail "qwen3-demo TP $tp (chat)"
   # /v1/completions takes the same constraint fields.
   extra=$([ $tp = 2 ] && echo ,greedy-streamed,sampled-n2)
   validate --label qwen3-compl --tp $tp --api completions --modes greedy-batched,sampled-batched$extra \
@@ -153,11 +156,14 @@ if [ -f "$SHARED/models/stories260K/stories260K.bin" ] && [ -f "$SHARED/models/b
   # BabyLlama's pieces (no byte fallback): the characters it can write at all.
   tail -n +4 "$SHARED/models/babyllama-tok105/tok105.vocab" | cut -f1 | sed 's/▁/ /g' | tr -d '\n' >"$WORK/babyllama.chars"
   for model in stories260K babyllama; do
-    chars=(); [ $model = babyllama ] && chars=(--vocab-chars "$WORK/babyllama.chars")
+    # Contexts: stories260K 512 positions, BabyLlama 256.
+    chars=(); extend=384
+    [ $model = babyllama ] && chars=(--vocab-chars "$WORK/babyllama.chars") && extend=224
     for tp in 1 2; do
       serve_start "$WORK/$model" --tp $tp --http-port 0
       validate --label $model --tp $tp --api completions --modes $ALL_MODES --alone-every 2 --alone-offset $((tp - 1)) \
-        --max-tokens 128 --suites schemas,regex,grammar,choice,json_object "${chars[@]}" || fail "$model TP $tp"
+        --max-tokens 128 --extend-cut $extend --suites schemas,regex,grammar,choice,json_object "${chars[@]}" ||
+        fail "$model TP $tp"
       serve_stop || fail "serve $model --tp $tp exited non-zero"
     done
   done
@@ -188,5 +194,7 @@ for (const line of require("fs").readFileSync(process.argv[1], "utf8").split("\n
   if (r.outcome === "known") seen.set(r.issue, (seen.get(r.issue) || 0) + 1);
 }
 for (const [id, n] of seen) console.log(`known issue ${id}: ${n} requests (tests/structured/known_issues.json)`);
-' "$REQUESTS"
+const unmet = JSON.parse(require("fs").readFileSync(process.argv[2], "utf8")).issues.map((i) => i.id).filter((id) => !seen.has(id));
+if (unmet.length) console.log(`known issues not met this run (fixed? remove them from known_issues.json): ${unmet.join(", ")}`);
+' "$REQUESTS" "$DATA/known_issues.json"
 echo "PASS"

@@ -32,6 +32,10 @@
 //                                  alone modes run every M-th item only (greedy from
 //                                  offset N, sampled from N + M/2): the sequential
 //                                  time stays bounded, batched modes run them all
+//         --extend-cut N           greedy items cut by max_tokens in greedy-batched are
+//                                  sent again with max_tokens N (mode greedy-extended):
+//                                  the cut output must be a prefix of the longer one,
+//                                  which is validated like any other
 //         --known-issues FILE      errors listed there (model, item, message) are
 //                                  reported as known, not failed
 //         --outputs FILE           write every mode's outputs (by item) as JSON
@@ -460,7 +464,7 @@ function selftest(dir) {
   }
   expect(d.tools.tools.length >= 2, 'tools');
   // known_issues.json names real items.
-  const keys = new Set([...d.schemas.map((x) => `schemas/${x.name}`), ...d.regexes.map((x) => `regex/${x.name}`),
+  const keys = new Set([...[0, 1, 2, 3].map((k) => `json_object/${k}`), ...d.schemas.map((x) => `schemas/${x.name}`), ...d.regexes.map((x) => `regex/${x.name}`),
     ...d.grammars.map((x) => `grammar/${x.name}`), ...d.choices.map((x) => `choice/${x.name}`)]);
   const issuesFile = path.join(dir, 'known_issues.json');
   if (fs.existsSync(issuesFile)) {
@@ -508,6 +512,7 @@ function parseArgs(argv) {
       case '--log': o.log = v(); break;
       case '--token': o.token = v(); break;
       case '--alone-every': o.aloneEvery = Number(v()); break;
+      case '--extend-cut': o.extendCut = Number(v()); break;
       case '--alone-offset': o.aloneOffset = Number(v()); break;
       case '--known-issues': o.knownIssues = JSON.parse(fs.readFileSync(v(), 'utf8')).issues; break;
       case '--outputs': o.outputs = v(); break;
@@ -819,10 +824,12 @@ async function run(argv) {
   const rows = [];
   const known = new Map();  // issue id -> occurrences
   const outputs = {};  // mode -> item key -> output
+  let lastCut = new Set();  // keys cut by max_tokens in greedy-batched
   for (const mode of opts.modes) {
     const t0 = Date.now();
     const recs = await runMode(client, opts, model, items, mode, logStream);
     outputs[mode] = Object.fromEntries(recs.map((r) => [r.key, outputOf(r)]));
+    if (mode === 'greedy-batched') lastCut = new Set(recs.filter((r) => r.outcome === 'length').map((r) => r.key));
     const suites = [...new Set(items.map((i) => i.suite))];
     for (const suite of suites) {
       const rs = recs.filter((r) => r.suite === suite);
@@ -848,6 +855,32 @@ async function run(argv) {
         `within max_tokens ${opts.maxTokens} (< ${opts.minComplete})`);
     }
     console.log(`${opts.label} TP ${opts.tp} ${mode}: ${recs.length} requests in ${((Date.now() - t0) / 1000).toFixed(1)} s`);
+  }
+  // Greedy outputs cut by max_tokens, continued further: the cut one is a prefix.
+  if (opts.extendCut && outputs['greedy-batched']) {
+    const cut = new Set(Object.entries(outputs['greedy-batched']).filter(([, t]) => t !== null)
+      .map(([key]) => key).filter((key) => lastCut.has(key)));
+    const again = items.filter((item) => cut.has(item.key));
+    const t0 = Date.now();
+    const recs = await runMode(client, { ...opts, maxTokens: opts.extendCut }, model, again, 'greedy-extended', logStream);
+    let prefixes = 0;
+    for (const r of recs) {
+      const [short] = JSON.parse(outputs['greedy-batched'][r.key]);
+      if (typeof r.text === 'string' && typeof short === 'string' && r.text.startsWith(short)) prefixes++;
+      else if (!r.tool_calls) failures.push(`${opts.label} TP ${opts.tp} greedy-extended ${r.key}: the output cut at ${opts.maxTokens} tokens ${JSON.stringify(short)} is no prefix of ${JSON.stringify(r.text)}`);
+      if (r.outcome === 'invalid') {
+        failures.push(`${opts.label} TP ${opts.tp} greedy-extended ${r.suite} ${r.name}: ${r.error}; output ${JSON.stringify(r.text)} (finish ${r.finish})`);
+      }
+    }
+    for (const suite of [...new Set(recs.map((r) => r.suite))]) {
+      const rs = recs.filter((r) => r.suite === suite);
+      const count = (o) => rs.filter((r) => r.outcome === o).length;
+      rows.push([suite, opts.label, opts.tp, 'greedy-extended', rs.length, count('complete'), count('length'), count('refused'),
+        count('known'), count('invalid')]);
+    }
+    console.log(`${opts.label} TP ${opts.tp} greedy-extended: ${recs.length} cut outputs continued to ${opts.extendCut} tokens ` +
+      `in ${((Date.now() - t0) / 1000).toFixed(1)} s: ${recs.filter((r) => r.outcome === 'complete').length} complete now, ` +
+      `${prefixes} extend the cut output`);
   }
   // Batching must not change a token: alone == batched, greedy and seeded.
   const compare = (a, b, what) => {
