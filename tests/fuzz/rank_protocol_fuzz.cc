@@ -238,7 +238,7 @@ bool NextStep(FuzzedDataProvider& in, int32_t vocab, uint64_t step_id,
         const uint8_t mask = in.ConsumeIntegral<uint8_t>();
         if (mask >= 160) {
           const int words = (vocab + 31) / 32;
-          const int draws = 1 + std::max(0, seq->num_draft());
+          const int draws = 1 + std::clamp(seq->num_draft(), 0, 8);  // num_draft may be huge
           const int rows = mask >= 245 ? in.ConsumeIntegralInRange(0, draws + 1) : draws;
           const int extra = mask >= 250 ? in.ConsumeIntegralInRange(-1, 1) : 0;
           const uint32_t density = in.ConsumeIntegral<uint32_t>();
