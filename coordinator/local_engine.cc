@@ -428,7 +428,9 @@ LocalEngine::CompileRequestConstraint(const v1::OutputConstraint& constraint) co
   }
   compiled = cache->Get(spec);
   if (!compiled.ok()) {
-    if (absl::IsInvalidArgument(compiled.status())) {
+    // A constraint past the compiler's size limits is as much the request's
+    // fault as a malformed one: retrying cannot help (not 429).
+    if (absl::IsInvalidArgument(compiled.status()) || absl::IsResourceExhausted(compiled.status())) {
       return Invalid(field, std::string(compiled.status().message()));
     }
     return compiled.status();

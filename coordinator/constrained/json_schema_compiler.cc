@@ -479,7 +479,20 @@ class SchemaCompiler {
     for (const json& x : s.value("required", json::array())) {
       const std::string name = x.get<std::string>();
       if (std::find(names.begin(), names.end(), name) == names.end()) {
-        members.push_back({name, true, {AnyValue()}});
+        // A required key outside `properties` is an additional property.
+        Sequence value = {AnyValue()};
+        if (s.contains("additionalProperties")) {
+          const json& a = s["additionalProperties"];
+          if (a.is_boolean() && !a.get<bool>()) {
+            return Error(ptr + "/required", absl::StrCat("'", name, "' is required but not in properties, and "
+                                                         "additionalProperties is false: no object "
+                                                         "satisfies the schema"));
+          }
+          absl::StatusOr<Sequence> v = Compile(a, ptr + "/additionalProperties", depth + 1);
+          if (!v.ok()) return v.status();
+          value = *std::move(v);
+        }
+        members.push_back({name, true, std::move(value)});
         names.push_back(name);
       }
     }

@@ -355,6 +355,11 @@ struct CompletionSession::State {
           e.status = 504;
           e.code = "deadline_exceeded";
           break;
+        case 3:  // INVALID_ARGUMENT: the request cannot be served as asked (e.g.
+                 // the vocabulary cannot write its constraint)
+          e.status = 400;
+          e.type = "invalid_request_error";
+          break;
         default:
           e.status = 500;
       }

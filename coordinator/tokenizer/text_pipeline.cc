@@ -233,7 +233,7 @@ int ByteTokenValue(std::string_view token) {
 
 void FlushByteGroup(std::string* group, bool at_end, DecodeMode mode, std::vector<std::string>* out) {
   if (group->empty()) return;
-  if (IsValidUtf8(*group) ||
+  if (mode.raw_byte_groups || IsValidUtf8(*group) ||
       (at_end && mode.keep_incomplete_tail &&
        IsValidUtf8(std::string_view(*group).substr(0, group->size() - IncompleteUtf8TailLength(*group))) &&
        IncompleteUtf8TailLength(*group) > 0)) {

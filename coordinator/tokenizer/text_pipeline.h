@@ -81,6 +81,10 @@ struct DecodeMode {
   // UTF-8 character is kept as raw bytes instead of becoming U+FFFD, so the
   // caller can wait for the rest.
   bool keep_incomplete_tail = false;
+  // One token's bytes (Tokenizer::TokenBytes): a <0xNN> byte group is its
+  // raw bytes even when it is no UTF-8 prefix (a lone continuation byte),
+  // not U+FFFD.
+  bool raw_byte_groups = false;
 };
 
 // Runs the decoder steps over the token strings `pieces` and returns the

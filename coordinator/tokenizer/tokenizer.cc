@@ -170,7 +170,7 @@ absl::StatusOr<std::string> Tokenizer::DecodeForStream(std::span<const int32_t> 
                                                        const DecodeOptions& options,
                                                        bool sequence_start,
                                                        bool keep_incomplete_tail,
-                                                       size_t* pieces_out) const {
+                                                       size_t* pieces_out, bool raw_bytes) const {
   const Impl& impl = *impl_;
   std::vector<std::string> pieces;
   pieces.reserve(ids.size());
@@ -203,7 +203,7 @@ absl::StatusOr<std::string> Tokenizer::DecodeForStream(std::span<const int32_t> 
     return joined;
   }
   return internal::DecodePieces(impl.decoders, std::move(pieces),
-                                internal::DecodeMode{sequence_start, keep_incomplete_tail});
+                                internal::DecodeMode{sequence_start, keep_incomplete_tail, raw_bytes});
 }
 
 absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids,
@@ -215,7 +215,8 @@ absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids,
 
 absl::StatusOr<std::string> Tokenizer::TokenBytes(int32_t id) const {
   const int32_t one[1] = {id};
-  return DecodeForStream(one, {}, /*sequence_start=*/false, /*keep_incomplete_tail=*/true, nullptr);
+  return DecodeForStream(one, {}, /*sequence_start=*/false, /*keep_incomplete_tail=*/true, nullptr,
+                         /*raw_bytes=*/true);
 }
 
 int32_t Tokenizer::vocab_size() const { return impl_->vocab_size; }

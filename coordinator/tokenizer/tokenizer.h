@@ -102,7 +102,8 @@ class Tokenizer {
 
   // The bytes one token stands for inside a sequence (not at its start, so
   // a SentencePiece "▁" is a space): may be an incomplete UTF-8 character
-  // for byte-level and byte-fallback tokens. For logprobs' `bytes`.
+  // for byte-level and byte-fallback tokens (a <0x80> byte token is the byte
+  // 0x80). For logprobs' `bytes` and structured output's token bytes.
   // Errors: as Decode.
   absl::StatusOr<std::string> TokenBytes(int32_t id) const;
 
@@ -127,9 +128,11 @@ class Tokenizer {
   // Decodes for StreamDecoder: raw bytes (an incomplete trailing character is
   // left as bytes), and in *pieces the number of tokens that were not skipped.
   // `sequence_start`: nothing was decoded before these ids.
+  // `raw_bytes`: DecodeMode::raw_byte_groups (TokenBytes).
   absl::StatusOr<std::string> DecodeForStream(std::span<const int32_t> ids,
                                               const DecodeOptions& options, bool sequence_start,
-                                              bool keep_incomplete_tail, size_t* pieces) const;
+                                              bool keep_incomplete_tail, size_t* pieces,
+                                              bool raw_bytes = false) const;
 
   std::unique_ptr<Impl> impl_;
 };

@@ -164,6 +164,18 @@ TEST(TokenizerTest, RejectsUnknownIdsWhenDecoding) {
   EXPECT_EQ(t->Decode(std::vector<int32_t>{-1}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(TokenizerTest, TokenBytesOfByteTokensAreTheRawBytes) {
+  // A lone continuation or lead byte is the byte, not U+FFFD (structured
+  // output walks token bytes; decoded text still replaces invalid groups).
+  auto t = Make(SentencePieceJson());
+  for (int b : {0x80, 0xA9, 0xBF, 0xC3, 0xE4, 0x41}) {
+    absl::StatusOr<std::string> bytes = t->TokenBytes(Byte(b));
+    ASSERT_TRUE(bytes.ok()) << bytes.status();
+    EXPECT_EQ(*bytes, std::string(1, static_cast<char>(b))) << "byte " << b;
+  }
+  EXPECT_EQ(*t->Decode(std::vector<int32_t>{Byte(0x80)}), "\xEF\xBF\xBD");
+}
+
 TEST(TokenizerTest, EncodesByteLevelTextWithTheGpt2Split) {
   auto t = Make(ByteLevelJson());
   EXPECT_THAT(t->Encode("a hi"), ElementsAre('a', 257));
