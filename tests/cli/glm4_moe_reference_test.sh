@@ -131,10 +131,11 @@ gen "$TMP/glm-exl3" "$TMP/q"
 compare "$TMP/q.npy" "$TMP/peaked-ref.json" "$REL_EXL3_MAX" "glm4-moe peaked exl3 4bpw" \
   --ids "$TMP/q.ids" "$REL_EXL3_MEAN"
 
-# Parallel: the TP 1 greedy ids at TP 2, EP 2 and TP 2 x EP 2.
+# Parallel: the TP 1 greedy ids at TP 2, TP 3 (6 query heads 2/2/2 over 2 KV
+# heads: rank 1 needs both, replicated; experts 3 groups), EP 2 and TP 2 x EP 2.
 for model in glm glm-exl3; do
   [ $model = glm ] && base="$TMP/fp" || base="$TMP/q"
-  for par in "--tp 2" "--tp 2 --ep 2" "--tp 4 --ep 2"; do
+  for par in "--tp 2" "--tp 3" "--tp 2 --ep 2" "--tp 4 --ep 2"; do
     # shellcheck disable=SC2086
     gen "$TMP/$model" "$TMP/par" $par --threads-per-rank 1
     cmp -s "$TMP/par.ids" "$base.ids" ||
