@@ -3,6 +3,7 @@
 #include "coordinator/constrained/json_schema_compiler.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -132,20 +133,90 @@ std::string IntegerRangeRegex(bool has_lo, Int lo, bool has_hi, Int hi) {
   return alts.size() == 1 ? alts[0] : "(?:" + absl::StrJoin(alts, "|") + ")";
 }
 
-// Decimals (integer part, optional fraction, no exponent) with magnitude
-// in the interval from a to b (b < 0: unbounded), each end inclusive or not.
-std::string MagnitudeRange(Int a, bool a_incl, Int b, bool b_incl) {
-  const std::string frac = R"((?:\.[0-9]{1,18})?)";
-  const std::string nonzero_frac = R"(\.0{0,17}[1-9][0-9]{0,17})";
-  std::vector<std::string> alts;
-  if (b >= 0 && a == b) {
-    if (a_incl && b_incl) alts.push_back(Digits(a));
-  } else {
-    alts.push_back(Digits(a) + (a_incl ? frac : nonzero_frac));
-    if (b < 0 || a + 1 <= b - 1) alts.push_back("(?:" + NonNegativeRange(a + 1, b < 0 ? -1 : b - 1) + ")" + frac);
-    if (b >= 0 && b_incl) alts.push_back(Digits(b));
+// An exact non-negative decimal: integer part and fraction digits (no
+// trailing zeros; may be longer than the 18 a number may have).
+struct Decimal {
+  Int integer = 0;
+  std::string fraction;
+};
+
+// |d| as its shortest round-trip decimal.
+Decimal ToDecimal(double d) {
+  char buf[512];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), std::fabs(d), std::chars_format::fixed);
+  const std::string text(buf, ec == std::errc() ? end : buf);
+  Decimal out;
+  const size_t dot = text.find('.');
+  for (size_t i = 0; i < std::min(dot, text.size()); ++i) out.integer = out.integer * 10 + (text[i] - '0');
+  if (dot != std::string::npos) out.fraction = text.substr(dot + 1);
+  while (!out.fraction.empty() && out.fraction.back() == '0') out.fraction.pop_back();
+  return out;
+}
+
+// Digit strings d of length 0..k (k: fraction digits left) with 0.d (value
+// after the digits before) at least 0.lo (`lo_incl`: or equal) and, with
+// `hi`, at most 0.hi (`hi_incl`: or equal); `top`: the fraction's start,
+// where the digits follow a '.' and no digits is no fraction. nullopt: no
+// string. Digits past the end of lo/hi compare as zeros.
+std::optional<std::string> FractionRange(std::string_view lo, bool lo_incl, const std::string_view* hi, bool hi_incl,
+                                         int k, bool top) {
+  const bool zero_ok = lo.empty() && lo_incl && (hi == nullptr || !hi->empty() || hi_incl);
+  if (zero_ok && hi == nullptr) {  // any digits
+    if (k == 0) return "";
+    return top ? absl::StrCat("(?:\\.[0-9]{1,", k, "})?") : absl::StrCat("[0-9]{0,", k, "}");
   }
-  if (alts.empty()) return "";
+  std::vector<std::string> alts;
+  if (k > 0) {
+    const int a0 = lo.empty() ? 0 : lo[0] - '0';
+    const int b0 = hi == nullptr ? 10 : hi->empty() ? 0 : (*hi)[0] - '0';
+    const std::string_view lo_rest = lo.empty() ? lo : lo.substr(1);
+    std::string_view hi_rest;
+    if (hi != nullptr && !hi->empty()) hi_rest = hi->substr(1);
+    auto add = [&](int digit, std::optional<std::string> rest) {
+      if (rest) alts.push_back(std::string(1, static_cast<char>('0' + digit)) + *rest);
+    };
+    if (a0 == b0) {
+      add(a0, FractionRange(lo_rest, lo_incl, &hi_rest, hi_incl, k - 1, false));
+    } else {
+      add(a0, FractionRange(lo_rest, lo_incl, nullptr, false, k - 1, false));
+      if (a0 + 1 <= std::min(b0 - 1, 9)) {
+        alts.push_back(absl::StrCat("[", a0 + 1, "-", std::min(b0 - 1, 9), "][0-9]{0,", k - 1, "}"));
+      }
+      if (b0 <= 9) add(b0, FractionRange("", true, &hi_rest, hi_incl, k - 1, false));
+    }
+  }
+  if (alts.empty()) return zero_ok ? std::optional<std::string>("") : std::nullopt;
+  std::string body = alts.size() == 1 ? alts[0] : "(?:" + absl::StrJoin(alts, "|") + ")";
+  if (top) body = "\\." + body;
+  return zero_ok ? "(?:" + body + ")?" : body;
+}
+
+// Decimals (canonical integer part of <= 18 digits, optional fraction of
+// 1..18 digits, no exponent) with magnitude from a to b (null: unbounded),
+// each end inclusive or not. nullopt: none.
+std::optional<std::string> MagnitudeRange(const Decimal& a, bool a_incl, const Decimal* b, bool b_incl) {
+  constexpr int kFractionDigits = 18;
+  const std::string_view a_frac = a.fraction;
+  std::string_view b_frac;
+  if (b != nullptr) b_frac = b->fraction;
+  std::vector<std::string> alts;
+  if (b != nullptr && b->integer < a.integer) return std::nullopt;
+  if (b != nullptr && a.integer == b->integer) {
+    std::optional<std::string> f = FractionRange(a_frac, a_incl, &b_frac, b_incl, kFractionDigits, true);
+    if (f) alts.push_back(Digits(a.integer) + *f);
+  } else {
+    std::optional<std::string> f = FractionRange(a_frac, a_incl, nullptr, false, kFractionDigits, true);
+    if (f) alts.push_back(Digits(a.integer) + *f);
+    const std::string any_frac = R"((?:\.[0-9]{1,18})?)";
+    if (b == nullptr || a.integer + 1 <= b->integer - 1) {
+      alts.push_back("(?:" + NonNegativeRange(a.integer + 1, b == nullptr ? -1 : b->integer - 1) + ")" + any_frac);
+    }
+    if (b != nullptr) {
+      std::optional<std::string> g = FractionRange("", true, &b_frac, b_incl, kFractionDigits, true);
+      if (g) alts.push_back(Digits(b->integer) + *g);
+    }
+  }
+  if (alts.empty()) return std::nullopt;
   return alts.size() == 1 ? alts[0] : "(?:" + absl::StrJoin(alts, "|") + ")";
 }
 
@@ -615,7 +686,9 @@ class SchemaCompiler {
   absl::StatusOr<Sequence> String(const json& s, const std::string& ptr) {
     const bool has_length = s.contains("minLength") || s.contains("maxLength");
     if (s.contains("pattern") || s.contains("format")) {
-      if (has_length) return Error(ptr, "minLength/maxLength together with pattern or format is not supported");
+      if (has_length && s.contains("format")) {
+        return Error(ptr, "minLength/maxLength together with format is not supported");
+      }
       if (s.contains("pattern") && s.contains("format")) {
         return Error(ptr, "pattern together with format is not supported");
       }
@@ -631,8 +704,20 @@ class SchemaCompiler {
         pattern = *f;
         options.search = false;
       }
+      if (has_length) {
+        absl::StatusOr<int64_t> min = Count(s, "minLength", ptr, 0);
+        if (!min.ok()) return min.status();
+        absl::StatusOr<int64_t> max = Count(s, "maxLength", ptr, -1);
+        if (!max.ok()) return max.status();
+        if (*max >= 0 && *max < *min) return Error(ptr, "maxLength is below minLength");
+        options.min_code_points = *min;
+        options.max_code_points = *max;
+      }
       absl::StatusOr<uint32_t> r = Regex(pattern, options, ptr + "/pattern");
       if (!r.ok()) {
+        if (r.status().code() == absl::StatusCode::kResourceExhausted) {
+          return absl::ResourceExhaustedError(absl::StrCat("at ", ptr, "/pattern: ", r.status().message()));
+        }
         return Error(ptr + (s.contains("pattern") ? "/pattern" : "/format"), std::string(r.status().message()));
       }
       return Sequence{g_.Byte('"'), Grammar::Ref(*r), g_.Byte('"')};
@@ -716,27 +801,31 @@ class SchemaCompiler {
     } else if (!has_lo && !has_hi) {
       return Sequence{NumberValue()};
     } else {
-      if ((has_lo && std::floor(lo) != lo) || (has_hi && std::floor(hi) != hi)) {
-        return Error(ptr, "number bounds must be integers (fractional bounds are not supported)");
-      }
       if (has_lo && has_hi && (lo > hi || (lo == hi && !(lo_incl && hi_incl)))) {
         return Error(ptr, "no number lies within the bounds");
       }
-      // x >= 0 part and x < 0 part (as '-' and a magnitude).
+      // Validators compare doubles: a decimal just inside an exclusive bound
+      // can round onto it (0.999999999999999999 parses as 1). An exclusive
+      // bound is therefore the inclusive one at the adjacent double, so
+      // every emitted number parses strictly inside.
+      if (has_lo && !lo_incl) lo = std::nextafter(lo, HUGE_VAL), lo_incl = true;
+      if (has_hi && !hi_incl) hi = std::nextafter(hi, -HUGE_VAL), hi_incl = true;
+      // x >= 0 part and x < 0 part (as '-' and a magnitude > 0). The bounds
+      // are exact decimals: the shortest representation of the doubles
+      // (x <= that decimal then parses to a double <= the bound).
       std::vector<std::string> alts;
-      const Int L = static_cast<Int>(lo), H = static_cast<Int>(hi);
-      if (!has_hi || H > 0 || (H == 0 && hi_incl)) {
-        const Int a = has_lo && L > 0 ? L : 0;
-        const bool a_incl = has_lo && L >= 0 ? (L > 0 ? lo_incl : lo_incl) : true;
-        const std::string m = MagnitudeRange(a, a_incl, has_hi ? H : -1, hi_incl);
-        if (!m.empty()) alts.push_back(m);
+      const Decimal L = has_lo ? ToDecimal(lo) : Decimal{}, H = has_hi ? ToDecimal(hi) : Decimal{};
+      if (!has_hi || hi > 0 || (hi == 0 && hi_incl)) {
+        const bool from_zero = !has_lo || lo < 0;
+        std::optional<std::string> m =
+            MagnitudeRange(from_zero ? Decimal{} : L, from_zero || lo_incl, has_hi ? &H : nullptr, hi_incl);
+        if (m) alts.push_back(*m);
       }
-      if (!has_lo || L < 0) {
-        // -x with x in (0 or -H, -L].
-        const Int a = has_hi && H < 0 ? -H : 0;
-        const bool a_incl = has_hi && H < 0 ? hi_incl : false;
-        const std::string m = MagnitudeRange(a, a_incl, has_lo ? -L : -1, lo_incl);
-        if (!m.empty()) alts.push_back("-" + m);
+      if (!has_lo || lo < 0) {
+        const bool from_zero = !has_hi || hi >= 0;
+        std::optional<std::string> m =
+            MagnitudeRange(from_zero ? Decimal{} : H, from_zero ? false : hi_incl, has_lo ? &L : nullptr, lo_incl);
+        if (m) alts.push_back("-" + *m);
       }
       if (alts.empty()) return Error(ptr, "no number lies within the bounds");
       pattern = alts.size() == 1 ? alts[0] : "(?:" + absl::StrJoin(alts, "|") + ")";

@@ -578,6 +578,25 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
   for (const auto& edges : nfa.edges_) {
     for (const auto& ed : edges) cut[ed.lo] = 1, cut[ed.hi + 1] = 1;
   }
+  // Length limits: a character counter (tracking JSON escapes and UTF-8
+  // continuation bytes) runs alongside the subset construction.
+  const bool counting = options.min_code_points > 0 || options.max_code_points >= 0;
+  const bool escapes = options.json_string_content;
+  if (counting) {
+    for (int b : {0x80, 0xC0, int{'\\'}, int{'\\'} + 1, int{'u'}, int{'u'} + 1}) cut[b] = 1;
+  }
+  // Counter phase: 0 between characters, 1 after a '\\' (JSON escape),
+  // 2..5 inside \uXXXX (hex digits left: 6 - phase).
+  auto step_counter = [&](int phase, uint8_t b, bool* starts_char) {
+    *starts_char = false;
+    if (phase == 0) {
+      if (b >= 0x80 && b < 0xC0) return 0;
+      *starts_char = true;
+      return escapes && b == '\\' ? 1 : 0;
+    }
+    if (phase == 1) return b == 'u' ? 2 : 0;
+    return phase == 5 ? 0 : phase + 1;
+  };
   std::array<int, 256> byte_class{};
   std::vector<uint8_t> class_rep;
   for (int b = 0, c = -1; b < 256; ++b) {
@@ -606,15 +625,22 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
   std::vector<std::vector<uint32_t>> states;
   std::vector<std::vector<int32_t>> next;  // [state][class]
   std::vector<char> accepting;
-  auto intern = [&](std::vector<uint32_t> set) -> int32_t {
-    auto [it, inserted] = ids.try_emplace(set, static_cast<int32_t>(states.size()));
+  // A DFA state: the NFA set, and with length limits the characters so far
+  // (capped at the minimum when there is no maximum) and the counter phase.
+  std::vector<std::pair<int64_t, int>> counters;
+  auto intern = [&](std::vector<uint32_t> set, int64_t count, int phase) -> int32_t {
+    std::vector<uint32_t> key = set;
+    if (counting) key.push_back(static_cast<uint32_t>(count)), key.push_back(static_cast<uint32_t>(phase));
+    auto [it, inserted] = ids.try_emplace(std::move(key), static_cast<int32_t>(states.size()));
     if (inserted) {
-      accepting.push_back(std::binary_search(set.begin(), set.end(), accept));
+      accepting.push_back(std::binary_search(set.begin(), set.end(), accept) &&
+                          (!counting || (phase == 0 && count >= options.min_code_points)));
       states.push_back(std::move(set));
+      counters.push_back({count, phase});
     }
     return it->second;
   };
-  intern(closure({start}));
+  intern(closure({start}), 0, 0);
   for (size_t d = 0; d < states.size(); ++d) {
     if (states.size() > kMaxRegexDfaStates) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -629,7 +655,19 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
           if (ed.lo <= b && b <= ed.hi) targets.push_back(ed.to);
         }
       }
-      if (!targets.empty()) row[c] = intern(closure(std::move(targets)));
+      if (targets.empty()) continue;
+      int64_t count = counters[d].first;
+      int phase = counters[d].second;
+      if (counting) {
+        bool starts_char = false;
+        phase = step_counter(phase, b, &starts_char);
+        if (starts_char) {
+          ++count;
+          if (options.max_code_points >= 0 && count > options.max_code_points) continue;
+          if (options.max_code_points < 0) count = std::min(count, options.min_code_points);
+        }
+      }
+      row[c] = intern(closure(std::move(targets)), count, phase);
     }
     next.push_back(std::move(row));
   }

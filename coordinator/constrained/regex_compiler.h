@@ -41,6 +41,12 @@ struct RegexOptions {
   // JSON Schema `pattern` semantics (a search): a top-level branch without
   // `^` may have any text before it, one without `$` any text after it.
   bool search = false;
+  // Length limits in code points (a JSON escape is one code point): the
+  // matches are intersected with "between min_code_points and
+  // max_code_points characters" (max < 0: unbounded) by a product of the
+  // DFA with a character counter, under the same kMaxRegexDfaStates limit.
+  int64_t min_code_points = 0;
+  int64_t max_code_points = -1;
 };
 
 // Adds the rules for `pattern` to `grammar` and returns the start rule (its

@@ -37,7 +37,12 @@ TEST(CompileErrorsTest, JsonSchemaNamesKeywordAndPointer) {
   ExpectError(ConstraintKind::kJsonSchema, R"({"allOf":[{},{}]})", kInvalid, "allOf with exactly one");
   ExpectError(ConstraintKind::kJsonSchema, R"({"type":"string","format":"hostname"})", kInvalid,
               "unsupported format 'hostname'");
-  ExpectError(ConstraintKind::kJsonSchema, R"({"type":"number","minimum":0.5})", kInvalid, "must be integers");
+  ExpectError(ConstraintKind::kJsonSchema, R"({"type":"number","minimum":0.5,"exclusiveMaximum":0.5})", kInvalid,
+              "no number lies within the bounds");
+  ExpectError(ConstraintKind::kJsonSchema, R"({"type":"string","format":"date","maxLength":3})", kInvalid,
+              "minLength/maxLength together with format");
+  ExpectError(ConstraintKind::kJsonSchema, R"({"type":"string","pattern":"a","maxLength":0})", kInvalid,
+              "matches no string");
   ExpectError(ConstraintKind::kJsonSchema, R"({"type":"integer","minimum":3,"maximum":2})", kInvalid, "no integer");
   ExpectError(ConstraintKind::kJsonSchema, R"j({"type":"string","pattern":"(?=a)"})j", kInvalid,
               "at /pattern: regex: lookaround is not supported at offset 0");

@@ -45,9 +45,12 @@ json GenSchema(Rng& r, int depth) {
     }
     case 2: {
       json s = {{"type", "number"}};
-      const int lo = r.Rand(30) - 15, hi = lo + r.Rand(20) + 1;
-      if (r.Rand(2)) s["minimum"] = lo;
-      if (r.Rand(2)) s["maximum"] = hi;
+      // Integer or fractional (quarter, tenth), negative, exclusive bounds.
+      const double scale = r.Rand(3) == 0 ? 1 : r.Rand(2) ? 4 : 10;
+      const double lo = (r.Rand(30 * static_cast<int>(scale)) - 15 * scale) / scale;
+      const double hi = lo + 1.25 + r.Rand(20) / scale;
+      if (r.Rand(2)) s[r.Rand(2) ? "minimum" : "exclusiveMinimum"] = lo;
+      if (r.Rand(2)) s[r.Rand(2) ? "maximum" : "exclusiveMaximum"] = hi;
       return s;
     }
     case 3: return {{"type", r.Rand(2) ? "boolean" : "null"}};
