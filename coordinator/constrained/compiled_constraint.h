@@ -15,9 +15,10 @@
 
 namespace exl3serve::coordinator::constrained {
 
-// The grammar of `spec` (no vocabulary needed): the errors of
-// CompileConstraint.
-absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec);
+// The grammar of `spec`: the errors of CompileConstraint. `writable_by`:
+// the vocabulary the output will be written in (nullptr: any byte string).
+absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec,
+                                                   const TokenVocabulary* writable_by = nullptr);
 
 class GrammarConstraint final : public CompiledConstraint {
  public:
