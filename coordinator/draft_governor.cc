@@ -12,11 +12,17 @@ DraftGovernor::DraftGovernor(const DraftGovernorOptions& options) : options_(opt
   EXL3_CHECK(options_.alpha > 0 && options_.alpha <= 1);
   EXL3_CHECK(options_.min_samples >= 1);
   EXL3_CHECK(options_.max_probe_backoff >= 1);
+  EXL3_CHECK(options_.clear_loss > 1);
+}
+
+int DraftGovernor::ProbeSteps() const {
+  if (choice_) return options_.probe;
+  const bool clear_loss = on_ && off_ && *on_ > options_.clear_loss * *off_;
+  return clear_loss ? options_.probe : options_.probe_drafting;
 }
 
 bool DraftGovernor::AllowDrafts() const {
-  const bool probing =
-      probe_period_ && step_in_period_ < (choice_ ? options_.probe : options_.probe_drafting);
+  const bool probing = probe_period_ && step_in_period_ < ProbeSteps();
   return probing ? !choice_ : choice_;
 }
 

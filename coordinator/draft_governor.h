@@ -31,6 +31,10 @@
 // model costs its catch-up and k forwards per sequence, so a probe every
 // period would cost ~1/8 of the plain speed where drafting never pays. Any
 // switch, and every period while drafting is on, probes the next period.
+// A probe of drafting is long (32 steps) only while the loss is small: when
+// drafting costs more than `clear_loss` (1.25) times plain per token, a
+// burst could not hide it (a draft model that loses loses at every step),
+// so the probe is `probe` (8) steps — a quarter of a long probe's cost.
 // Steps with a prefill chunk (decode_only false) are not timed and do not
 // advance the period: their cost is the prompt's.
 //
@@ -51,6 +55,7 @@ struct DraftGovernorOptions {
   double margin = 0.97;   // drafting must be this much cheaper per token
   int min_samples = 4;    // observations of each mode before deciding
   int max_probe_backoff = 16;  // periods between probes while off, at most (>= 1)
+  double clear_loss = 1.25;    // drafting/plain cost per token above this: short probes (> 1)
 };
 
 struct DraftStepCost {
@@ -78,6 +83,9 @@ class DraftGovernor {
   uint64_t switches() const { return switches_; }
 
  private:
+  // Steps of the probe in a probe period (the mode that is not the choice).
+  int ProbeSteps() const;
+
   const DraftGovernorOptions options_;
   bool choice_ = true;
   int step_in_period_ = 0;

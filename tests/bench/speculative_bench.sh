@@ -111,7 +111,7 @@ run() {  # NAME MODEL IDS STREAMS REQUESTS GEN SERVE-FLAGS...
   SERVER_PID=""
 }
 
-WORKLOADS="copy stories rejected cycles big draft"
+WORKLOADS=${WORKLOADS:-"copy stories rejected cycles big draft"}  # a subset: WORKLOADS="draft copy" ...
 for workload in $WORKLOADS; do
   model=$WORK/stories ids=$WORK/$workload.ids spec=(--speculative ngram --draft-tokens "$K")
   gen=256 per_stream=32

@@ -45,12 +45,30 @@ TEST(DraftGovernorTest, KeepsDraftsThatPayAndDropsThoseThatDoNot) {
   RunSteps(g, 128, 2e-3, 1e-3, rng);
   EXPECT_FALSE(g.choice());
   const int probed = RunSteps(g, 64 * 64, 2e-3, 1e-3, rng);
-  EXPECT_GE(probed, 5 * 32);  // probes of drafting are 32 steps
-  EXPECT_LE(probed, 8 * 32);  // vs 64 * 32 with a probe every period
+  EXPECT_GE(probed, 5 * 8);  // a clear loss (2x): probes of drafting are 8 steps
+  EXPECT_LE(probed, 8 * 8);  // vs 64 * 8 with a probe every period
   // And back on when drafting pays again (by the second probe at the latest).
   RunSteps(g, 64 * 33, 0.4e-3, 1e-3, rng);
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 2u);
+}
+
+TEST(DraftGovernorTest, ProbesAreLongOnlyWhileTheLossIsSmall) {
+  // A small loss (1.1x per token) could hide a burst: 32-step probes. A
+  // clear one (1.5x, a draft model that loses at every step): 8-step probes.
+  for (const double loss : {1.1, 1.5}) {
+    std::mt19937 rng(11);
+    DraftGovernor g;
+    RunSteps(g, 128, loss * 1e-3, 1e-3, rng, /*jitter=*/0.01);
+    ASSERT_FALSE(g.choice()) << loss;
+    const int probe = loss < 1.25 ? 32 : 8;
+    // Periods after the switch probe at 1, 2, 4, 8, 16, 16, ... periods:
+    // every drafting step of the next 64 periods belongs to one of 7 probes.
+    const int probed = RunSteps(g, 64 * 64, loss * 1e-3, 1e-3, rng, /*jitter=*/0.01);
+    EXPECT_EQ(probed % probe, 0) << loss;
+    EXPECT_GE(probed, 5 * probe) << loss;
+    EXPECT_LE(probed, 8 * probe) << loss;
+  }
 }
 
 TEST(DraftGovernorTest, GainsThatComeInBurstsAreCounted) {
