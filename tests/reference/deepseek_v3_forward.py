@@ -23,46 +23,10 @@ q_a_norm, kv_a_norm, correction_bias, groups, shared_expert, scaling
 """
 import json
 import math
-import struct
-import sys
 
 import numpy as np
 
-
-def load_safetensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    base = 8 + n
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = t["data_offsets"]
-        buf = raw[base + b:base + e]
-        if t["dtype"] == "BF16":
-            a = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        elif t["dtype"] == "F16":
-            a = np.frombuffer(buf, dtype="<f2")
-        elif t["dtype"] == "F32":
-            a = np.frombuffer(buf, dtype="<f4")
-        else:
-            raise SystemExit(f"unsupported dtype {t['dtype']} for {name}")
-        out[name] = a.astype(np.float64).reshape(t["shape"])
-    return out
-
-
-def rms_norm(x, w, eps):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
+from numpy_moe_common import GroupedSigmoidMoE, greedy_main, load_safetensors, rms_norm, rotate_half
 
 
 def yarn_get_mscale(scale, mscale=1.0):
@@ -71,7 +35,7 @@ def yarn_get_mscale(scale, mscale=1.0):
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-class DeepseekV3:
+class DeepseekV3(GroupedSigmoidMoE):
     def __init__(self, model_dir, ablate):
         self.cfg = cfg = json.load(open(f"{model_dir}/config.json"))
         assert cfg["architectures"][0] == "DeepseekV3ForCausalLM", cfg["architectures"]
@@ -85,13 +49,7 @@ class DeepseekV3:
         self.v = cfg["v_head_dim"]
         self.eps = cfg["rms_norm_eps"]
         self.layers = cfg["num_hidden_layers"]
-        self.experts = cfg["n_routed_experts"]
-        self.top_k = cfg["num_experts_per_tok"]
-        self.n_group = 1 if ablate == "groups" else cfg["n_group"]
-        self.topk_group = 1 if ablate == "groups" else cfg["topk_group"]
-        self.norm_topk = cfg["norm_topk_prob"]
-        self.scale = 1.0 if ablate == "scaling" else cfg["routed_scaling_factor"]
-        self.first_dense = cfg["first_k_dense_replace"]
+        self.read_moe_config(cfg, ablate)
         self.inv_freq, self.attention_factor = self.rope_parameters()
         # DeepseekV3Attention.__init__: softmax scale with mscale_all_dim.
         self.softmax_scale = (self.nope + self.rope) ** -0.5
@@ -137,45 +95,6 @@ class DeepseekV3:
         extrapolation_factor = 1 - ramp
         inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
         return inv_freq, attention_factor
-
-    def mlp(self, p, x):
-        w = self.w
-        g = x @ w[p + "gate_proj.weight"].T
-        u = x @ w[p + "up_proj.weight"].T
-        return (silu(g) * u) @ w[p + "down_proj.weight"].T
-
-    def route(self, p, x):
-        """DeepseekV3TopkRouter + DeepseekV3MoE.route_tokens_to_experts."""
-        scores = 1.0 / (1.0 + np.exp(-(x @ self.w[p + "gate.weight"].T)))
-        bias = self.w[p + "gate.e_score_correction_bias"]
-        if self.ablate == "correction_bias":
-            bias = np.zeros_like(bias)
-        choice = scores + bias[None, :]
-        T = x.shape[0]
-        per_group = self.experts // self.n_group
-        grouped = choice.reshape(T, self.n_group, per_group)
-        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
-        idx = np.empty((T, self.top_k), dtype=np.int64)
-        for t in range(T):
-            keep = np.argsort(-group_scores[t], kind="stable")[: self.topk_group]
-            mask = np.zeros(self.n_group, dtype=bool)
-            mask[keep] = True
-            masked = np.where(np.repeat(mask, per_group), choice[t], 0.0)
-            idx[t] = np.argsort(-masked, kind="stable")[: self.top_k]
-        weights = np.take_along_axis(scores, idx, axis=1)
-        if self.norm_topk:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return idx, weights * self.scale
-
-    def moe(self, p, x):
-        idx, weights = self.route(p, x)
-        out = np.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(self.top_k):
-                out[t] += weights[t, j] * self.mlp(f"{p}experts.{idx[t, j]}.", x[t:t + 1])[0]
-        if self.ablate != "shared_expert":
-            out += self.mlp(p + "shared_experts.", x)
-        return out
 
     def apply_rope(self, x, cos, sin):
         """apply_rotary_pos_emb_interleave on x [..., T, rope] (heads first)."""
@@ -233,23 +152,5 @@ class DeepseekV3:
         return h[-1] @ head.T
 
 
-def main():
-    args = sys.argv[1:]
-    ablate = None
-    if "--ablate" in args:
-        i = args.index("--ablate")
-        ablate = args[i + 1]
-        del args[i:i + 2]
-    model_dir, ids_text, steps = args[0], args[1], int(args[2])
-    model = DeepseekV3(model_dir, ablate)
-    ids = [int(t) for t in ids_text.split(",")]
-    out_ids, rows = [], []
-    for _ in range(steps):
-        logits = model.forward(ids + out_ids)
-        rows.append(logits.tolist())
-        out_ids.append(int(np.argmax(logits)))
-    json.dump({"ids": out_ids, "logits": rows}, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    greedy_main(DeepseekV3)

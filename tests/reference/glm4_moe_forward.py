@@ -17,50 +17,13 @@ fails without it): correction_bias (select on the unbiased scores), groups
 (no q/k/v bias), shared_expert, scaling (routed_scaling_factor 1).
 """
 import json
-import struct
-import sys
 
 import numpy as np
 
-
-def load_safetensors(path):
-    raw = open(path, "rb").read()
-    n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    base = 8 + n
-    out = {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        b, e = t["data_offsets"]
-        buf = raw[base + b:base + e]
-        if t["dtype"] == "BF16":
-            a = (np.frombuffer(buf, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
-        elif t["dtype"] == "F16":
-            a = np.frombuffer(buf, dtype="<f2")
-        elif t["dtype"] == "F32":
-            a = np.frombuffer(buf, dtype="<f4")
-        else:
-            raise SystemExit(f"unsupported dtype {t['dtype']} for {name}")
-        out[name] = a.astype(np.float64).reshape(t["shape"])
-    return out
+from numpy_moe_common import GroupedSigmoidMoE, greedy_main, load_safetensors, rms_norm, rotate_half
 
 
-def rms_norm(x, w, eps):
-    # Glm4MoeRMSNorm: x * rsqrt(mean(x^2) + eps) * weight, over the last axis.
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return np.concatenate((-x[..., half:], x[..., :half]), axis=-1)
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-class Glm4Moe:
+class Glm4Moe(GroupedSigmoidMoE):
     def __init__(self, model_dir, ablate):
         self.cfg = cfg = json.load(open(f"{model_dir}/config.json"))
         assert cfg["architectures"][0] == "Glm4MoeForCausalLM", cfg["architectures"]
@@ -76,53 +39,7 @@ class Glm4Moe:
         self.rotary_dim = int(self.head_dim * factor)
         self.theta = cfg["rope_theta"]
         self.qk_norm = cfg.get("use_qk_norm", False) and ablate != "qk_norm"
-        self.experts = cfg["n_routed_experts"]
-        self.top_k = cfg["num_experts_per_tok"]
-        self.n_group = 1 if ablate == "groups" else cfg["n_group"]
-        self.topk_group = 1 if ablate == "groups" else cfg["topk_group"]
-        self.norm_topk = cfg["norm_topk_prob"]
-        self.scale = 1.0 if ablate == "scaling" else cfg["routed_scaling_factor"]
-        self.first_dense = cfg["first_k_dense_replace"]
-
-    def mlp(self, p, x):
-        w = self.w
-        g = x @ w[p + "gate_proj.weight"].T
-        u = x @ w[p + "up_proj.weight"].T
-        return (silu(g) * u) @ w[p + "down_proj.weight"].T
-
-    def route(self, p, x):
-        """Glm4MoeTopkRouter + Glm4MoeMoE.route_tokens_to_experts."""
-        scores = 1.0 / (1.0 + np.exp(-(x @ self.w[p + "gate.weight"].T)))  # [T, E]
-        bias = self.w[p + "gate.e_score_correction_bias"]
-        if self.ablate == "correction_bias":
-            bias = np.zeros_like(bias)
-        choice = scores + bias[None, :]
-        T = x.shape[0]
-        per_group = self.experts // self.n_group
-        grouped = choice.reshape(T, self.n_group, per_group)
-        group_scores = np.sort(grouped, axis=-1)[..., -2:].sum(-1) if per_group >= 2 else grouped[..., 0]
-        idx = np.empty((T, self.top_k), dtype=np.int64)
-        for t in range(T):
-            keep = np.argsort(-group_scores[t], kind="stable")[: self.topk_group]
-            mask = np.zeros(self.n_group, dtype=bool)
-            mask[keep] = True
-            masked = np.where(np.repeat(mask, per_group), choice[t], 0.0)  # masked_fill(.., 0.0)
-            idx[t] = np.argsort(-masked, kind="stable")[: self.top_k]
-        weights = np.take_along_axis(scores, idx, axis=1)
-        if self.norm_topk:
-            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return idx, weights * self.scale
-
-    def moe(self, p, x):
-        idx, weights = self.route(p, x)
-        out = np.zeros_like(x)
-        for t in range(x.shape[0]):
-            for j in range(self.top_k):
-                e = idx[t, j]
-                out[t] += weights[t, j] * self.mlp(f"{p}experts.{e}.", x[t:t + 1])[0]
-        if self.ablate != "shared_expert":
-            out += self.mlp(p + "shared_experts.", x)
-        return out
+        self.read_moe_config(cfg, ablate)
 
     def forward(self, ids):
         w, hd = self.w, self.head_dim
@@ -165,23 +82,5 @@ class Glm4Moe:
         return h[-1] @ head.T
 
 
-def main():
-    args = sys.argv[1:]
-    ablate = None
-    if "--ablate" in args:
-        i = args.index("--ablate")
-        ablate = args[i + 1]
-        del args[i:i + 2]
-    model_dir, ids_text, steps = args[0], args[1], int(args[2])
-    model = Glm4Moe(model_dir, ablate)
-    ids = [int(t) for t in ids_text.split(",")]
-    out_ids, rows = [], []
-    for _ in range(steps):
-        logits = model.forward(ids + out_ids)
-        rows.append(logits.tolist())
-        out_ids.append(int(np.argmax(logits)))
-    json.dump({"ids": out_ids, "logits": rows}, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    greedy_main(Glm4Moe)
