@@ -120,7 +120,7 @@ CommandRunner RegisterWorkerCommand(CLI::App& app) {
   app.add_option("--bootstrap", o.comm.bootstrap_address, "ucx: rank 0's host:port");
   app.add_option("--ucx-tls", args->local_comm.ucx_tls,
                  "ucx: transports, e.g. tcp (this box; the group's setting wins when given)");
-  // NCCL network settings of this box (GPU ranks; worker/comm/README.md).
+  // NCCL network settings of this box (GPU ranks; docs/design/worker-comm.md).
   // NCCL takes them only from the environment: the nccl backend sets them
   // just before it initialises (NcclOptions), never from hidden env here.
   worker::comm::NcclOptions& nccl = args->local_comm.nccl;

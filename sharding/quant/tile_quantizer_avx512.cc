@@ -33,7 +33,7 @@ namespace {
 //   alone bounds any variant of this formulation at ~0.30 M.
 //   Measured (quant_speed_bench, K = 4, 1 thread, best of runs, B = 4):
 //   kernel alone ~2.05 µs per tile-position (~1.1x the bound); whole tile
-//   quantizer see sharding/quant/README.md (history writes and traceback add
+//   quantizer see docs/design/sharding-quant.md (history writes and traceback add
 //   ~15-20 %).
 //   Predecessor costs prev[(p << (16-2K)) | (e >> K)]: for K >= 4 all 16 lanes
 //   share one value (one vbroadcastss folded into the add). For K < 4 a vector

@@ -18,7 +18,7 @@
 // it to EXL3 at 4 bpw with a 16-bit head, as serve runs it. EXL3 linears at
 // int8 decode activations (serve's default).
 //
-// Second table, mixed steps (coordinator/README.md, speculative decoding
+// Second table, mixed steps (docs/design/coordinator.md, speculative decoding
 // item 4): each batch entry runs at the precision it gets alone (linear.h
 // row plans), so a step of decode-kind entries (< 17 tokens) next to a
 // prefill chunk costs an int8 kernel call for the decode rows plus an fp32

@@ -37,7 +37,7 @@
 // Why not TLS: the ranks share a secret, not certificates, and the PSK
 // handshake above already authenticates both ends. The collective data
 // plane (shm, UCX, NCCL) itself stays on the trusted network
-// (deploy/README.md).
+// (docs/design/deploy.md).
 // Rank 0 accepts connections lazily, inside AllGather, so Create() on rank 0
 // returns at once (and port() is known before any peer starts). A hello with
 // another world size or group id (a stale rank of another run) is closed and
