@@ -5,6 +5,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "coordinator/constrained/constraint.h"
 
 namespace exl3serve::coordinator {
 
@@ -73,34 +74,83 @@ absl::Status DraftModel::Propose(std::span<const DraftRequest> requests,
     stats_.catch_up_tokens += feed[i].size() - 1;
     active.push_back(i);
   }
-  // 2. One forward per draft position over every sequence still drafting.
+  // 2. One forward per draft position over every sequence still drafting
+  // (a constrained one under its matcher's mask, the matcher advanced by
+  // each draft and rolled back at the end).
+  const size_t words = static_cast<size_t>((executor_->vocab_size() + 31) / 32);
+  std::vector<int> advanced(requests.size(), 0);  // tokens fed to each matcher
+  std::vector<std::vector<uint32_t>> masks(requests.size());
+  // The next draft's mask of a constrained sequence; false: nothing allowed.
+  auto fill_mask = [&](size_t i) {
+    constrained::TokenMatcher& matcher = *requests[i].matcher;
+    std::vector<uint32_t> full(static_cast<size_t>(matcher.mask_words()));
+    matcher.FillNextTokenMask(full);
+    for (int32_t id : requests[i].never_draw) {
+      if (id >= 0 && static_cast<size_t>(id) / 32 < full.size()) full[id / 32] &= ~(1u << (id % 32));
+    }
+    std::vector<uint32_t>& mask = masks[i];
+    mask.assign(words, 0);
+    std::copy_n(full.begin(), std::min(words, full.size()), mask.begin());
+    const int64_t tail = executor_->vocab_size() % 32;  // bits past the draft vocabulary
+    if (tail != 0) mask.back() &= (1u << tail) - 1;
+    return std::any_of(mask.begin(), mask.end(), [](uint32_t w) { return w != 0; });
+  };
+  auto rollback = [&] {
+    for (size_t i = 0; i < requests.size(); ++i) {
+      if (advanced[i] > 0) requests[i].matcher->Rollback(advanced[i]).IgnoreError();
+    }
+  };
+  auto fail_constrained = [&](absl::Status s) {
+    rollback();
+    return fail(std::move(s));
+  };
   std::vector<worker::SequenceTokens> batch;
   std::vector<uint8_t> sample;
   std::vector<worker::SampledToken> tokens;
   for (int round = 0; !active.empty(); ++round) {
+    // A constrained sequence the constraint lets write nothing more stops
+    // drafting (its cache catches up at its next Propose).
+    std::erase_if(active, [&](size_t i) { return requests[i].matcher != nullptr && !fill_mask(i); });
+    if (active.empty()) break;
     batch.clear();
-    for (size_t i : active) batch.push_back({requests[i].seq_id, feed[i]});
+    for (size_t i : active) {
+      batch.push_back({requests[i].seq_id, feed[i]});
+      if (requests[i].matcher != nullptr) batch.back().allowed_tokens = masks[i];
+    }
     sample.assign(batch.size(), 1);
-    if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens); !s.ok()) return fail(s);
+    if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens); !s.ok()) {
+      return fail_constrained(s);
+    }
     ++stats_.forwards;
     std::vector<size_t> next;
     for (size_t j = 0; j < active.size(); ++j) {
       const size_t i = active[j];
       const int32_t token = tokens[j].id;
       if (token < 0 || token >= executor_->vocab_size()) {
-        return fail(absl::InternalError(absl::StrCat("draft model sampled token ", token,
-                                                     " outside its vocabulary")));
+        return fail_constrained(absl::InternalError(
+            absl::StrCat("draft model sampled token ", token, " outside its vocabulary")));
       }
       std::vector<int32_t>& fed = fed_.at(requests[i].seq_id);
       fed.insert(fed.end(), feed[i].begin(), feed[i].end());
       (*drafts)[i].push_back(token);
-      if (static_cast<int>((*drafts)[i].size()) < requests[i].k) {
+      bool more = static_cast<int>((*drafts)[i].size()) < requests[i].k;
+      if (requests[i].matcher != nullptr) {
+        if (requests[i].matcher->AcceptToken(token).ok()) {
+          ++advanced[i];
+        } else {
+          // The mask allowed it, so the matcher must: stop drafting here
+          // (the engine's check of the draft cuts it).
+          more = false;
+        }
+      }
+      if (more) {
         feed[i].assign(1, token);
         next.push_back(i);
       }
     }
     active = std::move(next);
   }
+  rollback();
   return absl::OkStatus();
 }
 

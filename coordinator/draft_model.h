@@ -18,6 +18,13 @@
 // every drafting sequence of the step. So verification outcomes, preemption
 // and replays need no call: the next Propose sees the tokens. Only the
 // target verifies: what the draft model computes never changes the output.
+// A structured-output sequence passes its TokenMatcher: each draft token is
+// then drawn among the tokens the constraint allows there (the draft
+// model's argmax under the mask, so its drafts are never cut by the
+// constraint), the matcher advanced tentatively and rolled back before
+// Propose returns; drafting stops early where the constraint allows nothing
+// (the output is complete and only EOS, which `never_draw` may exclude,
+// could follow).
 //
 // The draft cache is not placed by the scheduler's block tables (its
 // executor allocates its own pages, LocalExecutorOptions::
@@ -39,6 +46,10 @@
 #include "absl/status/status.h"
 #include "worker/api/step_executor.h"
 
+namespace exl3serve::coordinator::constrained {
+class TokenMatcher;
+}  // namespace exl3serve::coordinator::constrained
+
 namespace exl3serve::coordinator {
 
 struct DraftRequest {
@@ -47,6 +58,11 @@ struct DraftRequest {
   // target's cache. Not empty.
   std::span<const int32_t> tokens;
   int k = 0;  // draft tokens wanted (<= 0: none)
+  // Structured output: the sequence's matcher at `tokens` (nullptr: none).
+  // Left as it was on return.
+  constrained::TokenMatcher* matcher = nullptr;
+  // Ids never drafted under a matcher (the EOS ids of an ignore_eos request).
+  std::span<const int32_t> never_draw;
 };
 
 struct DraftModelStats {

@@ -951,7 +951,12 @@ void LocalEngine::ProposeDrafts() {
       budget -= static_cast<int64_t>(draft.size());
       if (!draft.empty()) scheduler_.ProposeDraft(seq_id, std::move(draft));
     } else {
-      requests.push_back({.seq_id = seq_id, .tokens = tokens, .k = k});
+      requests.push_back({.seq_id = seq_id,
+                          .tokens = tokens,
+                          .k = k,
+                          .matcher = live.matcher ? &*live.matcher : nullptr,
+                          .never_draw = live.p.ignore_eos ? std::span<const int32_t>(facts_.eos_token_ids)
+                                                          : std::span<const int32_t>()});
       budget -= k;
     }
   }
@@ -1000,6 +1005,13 @@ bool LocalEngine::FillChunkMasks(Live& live, std::span<const int32_t> drafts, in
     ++constraint_masks_;
     if (row == 0) {
       for (size_t w = 0; w < words && !any; ++w) any = (*rows)[w] != 0;
+    } else if (std::all_of(mask.begin(), mask.end(), [](uint32_t w) { return w == 0; })) {
+      // Nothing may follow draft row - 1 (it ends the output: EOS, or a
+      // complete constraint under ignore_eos): verify the drafts before it
+      // and let the target draw it.
+      matcher.Rollback(1).IgnoreError();
+      --row;
+      break;
     }
     if (row == drafts.size()) break;
     // Row r + 1 is the draw after draft r: walk the draft while it is allowed.

@@ -292,9 +292,10 @@ class LocalEngine final : public Engine {
   // allow there (no-op without a constraint); the matcher is left as it was.
   void ConstrainDraft(Live& live, std::vector<int32_t>* draft);
   // The allowed-token mask rows of a constrained chunk's draws (1 + its
-  // drafts) into *rows; drafts the constraint refuses are cut (*num_draft
-  // shrinks); with ignore_eos the EOS ids are taken out. False when no
-  // token can continue the constraint.
+  // drafts) into *rows; drafts the constraint refuses, and a draft after
+  // which nothing may follow (EOS, a completed constraint under ignore_eos),
+  // are cut (*num_draft shrinks); with ignore_eos the EOS ids are taken
+  // out. False when no token can continue the constraint.
   bool FillChunkMasks(Live& live, std::span<const int32_t> drafts, int32_t* num_draft,
                       std::vector<uint32_t>* rows);
 
