@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "coordinator/constrained/constraint.h"
 #include "coordinator/constrained/grammar.h"
+#include "coordinator/constrained/json_key_tracker.h"
 #include "coordinator/constrained/mask_cache.h"
 #include "coordinator/constrained/pda.h"
 #include "coordinator/constrained/vocabulary.h"
@@ -31,6 +32,9 @@ class GrammarConstraint final : public CompiledConstraint {
   const FlatGrammar& grammar() const { return grammar_; }
   const Pda& pda() const { return pda_; }
   const MaskCache& cache() const { return cache_; }
+  // kJsonSchema: the tokens containing '"', for TokenMatcher's unique-key
+  // filter (json_key_tracker.h); empty for the other kinds.
+  const QuoteTokens& quote_tokens() const { return quote_tokens_; }
 
  private:
   ConstraintSpec spec_;
@@ -38,6 +42,9 @@ class GrammarConstraint final : public CompiledConstraint {
   FlatGrammar grammar_;
   Pda pda_;
   MaskCache cache_;
+  // Initialized here (after vocab_), so the constructor need not name it.
+  QuoteTokens quote_tokens_ =
+      spec_.kind == ConstraintKind::kJsonSchema ? QuoteTokens::Build(*vocab_) : QuoteTokens();
 };
 
 }  // namespace exl3serve::coordinator::constrained

@@ -1,13 +1,18 @@
 // coordinator/constrained/token_matcher.cc — TokenMatcher (constraint.h):
 // one sequence's automaton state, its next-token mask from the mask cache,
-// and token-by-token history for rollback.
+// and token-by-token history for rollback. JSON Schema constraints also keep
+// a JsonKeyTracker (json_key_tracker.h): tokens that would complete a key
+// their object already has are cleared from the mask and refused.
 #include <algorithm>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/constrained/compiled_constraint.h"
 #include "coordinator/constrained/constraint.h"
+#include "coordinator/constrained/json_key_tracker.h"
 
 namespace exl3serve::coordinator::constrained {
 
@@ -23,6 +28,9 @@ struct TokenMatcher::State {
     bool eos = false;
   };
   std::vector<Step> history;  // [0]: before any token
+  // kJsonSchema: the object keys of the output; one step per history step
+  // after [0] (EOS an empty one).
+  std::optional<JsonKeyTracker> keys;
   std::vector<uint32_t> seen_positions;
 
   bool Complete(const Step& s) const {
@@ -37,6 +45,7 @@ TokenMatcher::TokenMatcher(std::shared_ptr<const CompiledConstraint> constraint)
   State::Step first;
   if (!state_->c->pda().Initial(state_->persistent, first.stacks)) first.stacks.clear();
   state_->history.push_back(std::move(first));
+  if (state_->c->spec().kind == ConstraintKind::kJsonSchema) state_->keys.emplace();
 }
 TokenMatcher::~TokenMatcher() = default;
 TokenMatcher::TokenMatcher(TokenMatcher&&) noexcept = default;
@@ -87,6 +96,15 @@ void TokenMatcher::FillNextTokenMask(std::span<uint32_t> mask) {
   if (complete) {
     for (int32_t id : c.vocabulary().eos_ids()) mask[id >> 5] |= uint32_t{1} << (id & 31);
   }
+  if (st.keys.has_value()) {
+    // Unique keys: of the allowed tokens that could complete a key (enough
+    // '"' bytes), clear those completing one their object already has.
+    for (int32_t id : c.quote_tokens().WithAtLeast(st.keys->MinQuotesForRepeat())) {
+      uint32_t& word = mask[id >> 5];
+      const uint32_t bit = uint32_t{1} << (id & 31);
+      if ((word & bit) != 0 && st.keys->WouldRepeatKey(*c.vocabulary().token_bytes(id))) word &= ~bit;
+    }
+  }
 }
 
 absl::Status TokenMatcher::AcceptToken(int32_t id) {
@@ -104,6 +122,7 @@ absl::Status TokenMatcher::AcceptToken(int32_t id) {
                        ConstraintKindName(c.spec().kind), " match"));
     }
     st.history.push_back({cur.stacks, true});
+    if (st.keys.has_value()) st.keys->Append({});
     return absl::OkStatus();
   }
   const std::optional<std::string_view> bytes = c.vocabulary().token_bytes(id);
@@ -123,6 +142,15 @@ absl::Status TokenMatcher::AcceptToken(int32_t id) {
     }
     std::swap(now, next);
   }
+  if (st.keys.has_value()) {
+    std::string key;
+    if (st.keys->WouldRepeatKey(*bytes, &key)) {
+      return absl::InvalidArgumentError(absl::StrCat("token ", id, " (\"", absl::CHexEscape(std::string(*bytes)),
+                                                     "\") is not allowed: it repeats the key \"",
+                                                     absl::CHexEscape(key), "\" in its object"));
+    }
+    st.keys->Append(*bytes);
+  }
   st.history.push_back({std::move(now), false});
   return absl::OkStatus();
 }
@@ -133,6 +161,7 @@ absl::Status TokenMatcher::Rollback(int num_tokens) {
         absl::StrCat("rollback of ", num_tokens, " tokens with ", num_accepted(), " accepted"));
   }
   state_->history.resize(state_->history.size() - static_cast<size_t>(num_tokens));
+  if (state_->keys.has_value()) state_->keys->Undo(static_cast<size_t>(num_tokens));
   return absl::OkStatus();
 }
 
