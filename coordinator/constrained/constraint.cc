@@ -11,10 +11,12 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "coordinator/constrained/compiled_constraint.h"
 #include "coordinator/constrained/gbnf_parser.h"
 #include "coordinator/constrained/json_schema_compiler.h"
 #include "coordinator/constrained/regex_compiler.h"
+#include "coordinator/constrained/utf8_ranges.h"
 
 namespace exl3serve::coordinator::constrained {
 
@@ -28,9 +30,14 @@ const char* ConstraintKindName(ConstraintKind kind) {
   return "unknown";
 }
 
-absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec,
-                                                   const TokenVocabulary* /*writable_by*/) {
+namespace {
+
+// The grammar of `spec`, restricted to `chars` (nullptr: none). Notes in
+// *first_unwritable the first character the restriction removed.
+absl::StatusOr<FlatGrammar> BuildGrammar(const ConstraintSpec& spec, const CodePointSet* chars,
+                                         int64_t* first_unwritable) {
   Grammar g;
+  g.RestrictCharacters(chars);
   absl::StatusOr<uint32_t> root;
   switch (spec.kind) {
     case ConstraintKind::kJsonSchema:
@@ -52,8 +59,42 @@ absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec,
     default:
       return absl::InvalidArgumentError("unknown constraint kind");
   }
+  *first_unwritable = g.first_unwritable();
   if (!root.ok()) return root.status();
   return FlatGrammar::Freeze(g, *root);
+}
+
+std::string DescribeCharacter(uint32_t cp) {
+  if (cp >= 0x20 && cp < 0x7F) return absl::StrCat("'", std::string(1, static_cast<char>(cp)), "'");
+  std::string hex = absl::StrFormat("U+%04X", cp);
+  if (cp < 0xA0 || (cp >= 0xD800 && cp <= 0xDFFF)) return hex;
+  std::string utf8;
+  AppendUtf8(cp, utf8);
+  return absl::StrCat("'", utf8, "' (", hex, ")");
+}
+
+}  // namespace
+
+absl::StatusOr<FlatGrammar> BuildConstraintGrammar(const ConstraintSpec& spec,
+                                                   const TokenVocabulary* writable_by) {
+  // A vocabulary that cannot write every byte string restricts the output to
+  // the characters it can (vocabulary.h: every allowed prefix stays
+  // completable in tokens). Byte-complete ones: nullptr, no restriction.
+  const CodePointSet* chars = writable_by == nullptr ? nullptr : AsByteVocabulary(*writable_by).writable_chars();
+  int64_t first_unwritable = -1;
+  absl::StatusOr<FlatGrammar> grammar = BuildGrammar(spec, chars, &first_unwritable);
+  if (grammar.ok() || chars == nullptr || grammar.status().code() != absl::StatusCode::kInvalidArgument) {
+    return grammar;
+  }
+  // Failed only under the restriction: the vocabulary's fault, say so.
+  int64_t unused;
+  absl::StatusOr<FlatGrammar> unrestricted = BuildGrammar(spec, nullptr, &unused);
+  if (!unrestricted.ok()) return unrestricted.status();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "no output of this constraint can be written with the model's vocabulary",
+      first_unwritable >= 0
+          ? absl::StrCat(" (e.g. ", DescribeCharacter(static_cast<uint32_t>(first_unwritable)), " is not in it)")
+          : std::string()));
 }
 
 GrammarConstraint::GrammarConstraint(ConstraintSpec spec, std::shared_ptr<const TokenVocabulary> vocab,

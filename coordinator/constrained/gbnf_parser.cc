@@ -243,7 +243,13 @@ class GbnfParser {
   }
 
   Sequence SetSequence(const CodePointSet& set) {
-    const CodePointSet norm = NormalizeCodePoints(set);
+    CodePointSet norm = NormalizeCodePoints(set);
+    if (g_.restricted() && !norm.empty()) {
+      // Only the characters the vocabulary can write; none: a dead element
+      // (Freeze drops its alternative).
+      norm = g_.WritableSubset(norm);
+      if (norm.empty()) return {g_.Nothing()};
+    }
     if (!norm.empty() && norm.back().second < 0x80) {
       ByteSet bs;
       for (auto [lo, hi] : norm) bs.AddRange(static_cast<uint8_t>(lo), static_cast<uint8_t>(hi));

@@ -7,6 +7,25 @@
 
 namespace exl3serve::coordinator::constrained {
 
+void Grammar::RestrictCharacters(const CodePointSet* chars) {
+  writable_ = chars;
+  writable_ascii_ = {};
+  if (chars == nullptr) return;
+  for (uint32_t c = 0; c < 0x80; ++c) {
+    if (ContainsCodePoint(*chars, c)) writable_ascii_.Add(static_cast<uint8_t>(c));
+  }
+}
+
+CodePointSet Grammar::WritableSubset(const CodePointSet& set, bool note) {
+  if (writable_ == nullptr) return set;
+  CodePointSet out = IntersectCodePoints(set, *writable_);
+  if (out.empty() && note) {
+    const CodePointSet norm = NormalizeCodePoints(set);
+    if (!norm.empty()) NoteUnwritable(norm.front().first);
+  }
+  return out;
+}
+
 uint32_t Grammar::AddRule(std::string name) {
   if (rules_.size() >= kMaxGrammarRules) {
     SetError(absl::ResourceExhaustedError(
@@ -28,7 +47,21 @@ void Grammar::AddAlternative(uint32_t rule, Sequence sequence) {
   rules_[rule].alternatives.push_back(std::move(sequence));
 }
 
-GrammarElement Grammar::Bytes(const ByteSet& set) {
+GrammarElement Grammar::Bytes(const ByteSet& in) {
+  ByteSet set = in;
+  if (writable_ != nullptr) {
+    // ASCII bytes are whole characters wherever they stand in UTF-8.
+    set.words[0] &= writable_ascii_.words[0];
+    set.words[1] &= writable_ascii_.words[1];
+    if (set.empty() && !in.empty()) {
+      for (int b = 0; b < 0x80; ++b) {
+        if (in.Contains(static_cast<uint8_t>(b))) {
+          NoteUnwritable(static_cast<uint32_t>(b));
+          break;
+        }
+      }
+    }
+  }
   for (size_t i = byte_sets_.size(); i-- > 0;) {
     if (byte_sets_[i] == set) return {GrammarElement::Kind::kBytes, static_cast<uint32_t>(i)};
     if (byte_sets_.size() - i > 64) break;  // recent ones only: cheap, good enough
@@ -40,7 +73,25 @@ GrammarElement Grammar::Bytes(const ByteSet& set) {
 Sequence Grammar::Literal(std::string_view bytes) {
   Sequence s;
   s.reserve(bytes.size());
-  for (char c : bytes) s.push_back(Byte(static_cast<uint8_t>(c)));
+  if (writable_ == nullptr) {
+    for (char c : bytes) s.push_back(Byte(static_cast<uint8_t>(c)));
+    return s;
+  }
+  for (size_t at = 0; at < bytes.size();) {
+    const size_t start = at;
+    uint32_t cp;
+    if (!DecodeUtf8(bytes, &at, &cp)) {  // no token sequence of W writes it
+      s.push_back(Nothing());
+      ++at;
+      continue;
+    }
+    if (!IsWritable(cp)) {
+      NoteUnwritable(cp);
+      s.push_back(Nothing());
+      continue;
+    }
+    for (size_t k = start; k < at; ++k) s.push_back(Byte(static_cast<uint8_t>(bytes[k])));
+  }
   return s;
 }
 

@@ -16,6 +16,14 @@
 // alternatives that can derive no string are dropped, so every stack the
 // automaton holds can still be completed (no dead states).
 //
+// A grammar may be restricted to a set of characters (the ones a vocabulary
+// can write, vocabulary.h): then every builder drops what needs another
+// character, so Freeze sees those alternatives as deriving nothing and
+// removes them. Builders that take characters from text go through Literal,
+// Bytes (ASCII bytes: whole characters) and WritableSubset (code-point
+// classes, before they become byte sequences); a builder that emits raw
+// non-ASCII bytes itself is not restricted.
+//
 // Thread safety: Grammar is thread-compatible; FlatGrammar is immutable.
 #ifndef EXL3SERVE_COORDINATOR_CONSTRAINED_GRAMMAR_H_
 #define EXL3SERVE_COORDINATOR_CONSTRAINED_GRAMMAR_H_
@@ -29,6 +37,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "coordinator/constrained/utf8_ranges.h"
 
 namespace exl3serve::coordinator::constrained {
 
@@ -70,13 +79,37 @@ using Sequence = std::vector<GrammarElement>;
 // one is kept and returned by Freeze, so builders need not check each call.
 class Grammar {
  public:
+  // Restricts the grammar's strings to the characters of `chars`
+  // (normalized; nullptr: no restriction, the default). `chars` must outlive
+  // the building; call before adding anything.
+  void RestrictCharacters(const CodePointSet* chars);
+  bool restricted() const { return writable_ != nullptr; }
+  bool IsWritable(uint32_t cp) const {
+    return writable_ == nullptr || (cp < 0x80 ? writable_ascii_.Contains(static_cast<uint8_t>(cp))
+                                              : ContainsCodePoint(*writable_, cp));
+  }
+  // `set` without the characters outside the restriction (`set` itself when
+  // unrestricted). With `note`, an empty result of a non-empty set is noted
+  // (below).
+  CodePointSet WritableSubset(const CodePointSet& set, bool note = true);
+  // An element no byte matches: what an unwritable character becomes.
+  GrammarElement Nothing() { return Bytes(ByteSet{}); }
+  // The first character the restriction removed where it left an element
+  // matching nothing (for "... 'ü' is not in the vocabulary" errors); -1: none.
+  int64_t first_unwritable() const { return first_unwritable_; }
+  void NoteUnwritable(uint32_t cp) {
+    if (first_unwritable_ < 0) first_unwritable_ = cp;
+  }
+
   uint32_t AddRule(std::string name);
   void AddAlternative(uint32_t rule, Sequence sequence);
 
+  // Restricted: ASCII bytes outside the restriction are removed from `set`.
   GrammarElement Bytes(const ByteSet& set);
   GrammarElement Byte(uint8_t b) { return Bytes(ByteSet::Single(b)); }
   static GrammarElement Ref(uint32_t rule) { return {GrammarElement::Kind::kRule, rule}; }
-  // One element per byte.
+  // One element per byte. Restricted: a character outside the restriction
+  // (or invalid UTF-8) becomes Nothing(), so the sequence derives no string.
   Sequence Literal(std::string_view bytes);
   // A new rule whose alternatives are `alternatives`; returns its reference.
   GrammarElement Choice(std::string name, std::vector<Sequence> alternatives);
@@ -104,6 +137,9 @@ class Grammar {
   std::vector<ByteSet> byte_sets_;
   size_t num_elements_ = 0;
   absl::Status status_;
+  const CodePointSet* writable_ = nullptr;
+  ByteSet writable_ascii_;
+  int64_t first_unwritable_ = -1;
 };
 
 // The frozen grammar: all alternatives in one array, each ended by kEnd. A

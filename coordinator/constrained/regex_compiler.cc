@@ -430,7 +430,10 @@ class NfaBuilder {
     uint8_t lo, hi;
     uint32_t to;
   };
-  NfaBuilder(const std::vector<Node>& nodes, bool json_escape) : nodes_(nodes), json_escape_(json_escape) {}
+  // `restrict_to`: the grammar whose character restriction applies (nullptr:
+  // none); its WritableSubset notes what it removes.
+  NfaBuilder(const std::vector<Node>& nodes, bool json_escape, Grammar* restrict_to)
+      : nodes_(nodes), json_escape_(json_escape), restrict_(restrict_to) {}
 
   uint32_t NewState() {
     if (eps_.size() >= kMaxRegexNfaStates) overflow_ = true;
@@ -470,6 +473,7 @@ class NfaBuilder {
         return;
       case Node::Kind::kSet: {
         CodePointSet plain = n.set;
+        bool escape_paths = false;
         if (json_escape_) {
           // Characters JSON escapes get their canonical escape.
           CodePointSet escaped = {{0, 0x1F}, {'"', '"'}, {'\\', '\\'}};
@@ -478,6 +482,8 @@ class NfaBuilder {
             for (uint32_t cp = lo; cp <= std::min<uint32_t>(hi, 0x5C); ++cp) {
               if (cp < 0x20 || cp == '"' || cp == '\\') {
                 std::string esc = EscapeForJson(cp);
+                if (!Writable(esc)) continue;
+                escape_paths = true;
                 std::vector<std::pair<uint8_t, uint8_t>> bytes;
                 for (char ch : esc) bytes.push_back({static_cast<uint8_t>(ch), static_cast<uint8_t>(ch)});
                 Path(s, e, bytes);
@@ -494,6 +500,11 @@ class NfaBuilder {
             }
           }
           plain = std::move(filtered);
+        }
+        if (restrict_ != nullptr) {
+          plain = restrict_->WritableSubset(plain, /*note=*/false);
+          const CodePointSet all = NormalizeCodePoints(n.set);
+          if (plain.empty() && !escape_paths && !all.empty()) restrict_->NoteUnwritable(all.front().first);
         }
         for (const Utf8Sequence& seq : Utf8Sequences(plain)) Path(s, e, seq);
         return;
@@ -554,20 +565,35 @@ class NfaBuilder {
     }
   }
 
+  // An escape (ASCII) is writable when each of its characters is.
+  bool Writable(const std::string& ascii) {
+    if (restrict_ == nullptr) return true;
+    for (char ch : ascii) {
+      if (!restrict_->IsWritable(static_cast<uint8_t>(ch))) return false;
+    }
+    return true;
+  }
+
   const std::vector<Node>& nodes_;
   bool json_escape_;
+  Grammar* restrict_;
   bool overflow_ = false;
 };
 
 }  // namespace
 
-absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptions& options,
-                                      Grammar& grammar, std::string_view name) {
-  Parser parser(pattern, options.search);
-  absl::StatusOr<int> root = parser.Parse();
-  if (!root.ok()) return root.status();
-  NfaBuilder nfa(parser.nodes(), options.json_string_content);
-  const std::pair<uint32_t, uint32_t> ends = nfa.Build(*root);
+namespace {
+
+// The automaton of a parsed pattern, emitted as rules of `grammar` when
+// `emit` (else only checked). `restrict`: apply the grammar's character
+// restriction. Sets *matches_nothing (and adds no rule) when no string
+// matches.
+absl::StatusOr<uint32_t> CompileParsed(const std::vector<Node>& nodes, int root, const RegexOptions& options,
+                                       Grammar& grammar, std::string_view name, bool restrict, bool emit,
+                                       bool* matches_nothing) {
+  *matches_nothing = false;
+  NfaBuilder nfa(nodes, options.json_string_content, restrict ? &grammar : nullptr);
+  const std::pair<uint32_t, uint32_t> ends = nfa.Build(root);
   const uint32_t start = ends.first, accept = ends.second;
   if (nfa.overflow()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -687,8 +713,10 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
     }
   }
   if (!live[0]) {
-    return absl::InvalidArgumentError(absl::StrCat("regex '", std::string(name), "' matches no string"));
+    *matches_nothing = true;
+    return 0;
   }
+  if (!emit) return 0;
   std::vector<uint32_t> rule(n, 0);
   for (size_t d = 0; d < n; ++d) {
     if (live[d]) rule[d] = grammar.AddRule(absl::StrCat(std::string(name), "#", d));
@@ -713,6 +741,33 @@ absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptio
     if (accepting[d]) grammar.AddAlternative(rule[d], {});
   }
   return rule[0];
+}
+
+}  // namespace
+
+absl::StatusOr<uint32_t> CompileRegex(std::string_view pattern, const RegexOptions& options,
+                                      Grammar& grammar, std::string_view name) {
+  Parser parser(pattern, options.search);
+  absl::StatusOr<int> root = parser.Parse();
+  if (!root.ok()) return root.status();
+  bool nothing = false;
+  absl::StatusOr<uint32_t> rule = CompileParsed(parser.nodes(), *root, options, grammar, name,
+                                                grammar.restricted(), /*emit=*/true, &nothing);
+  if (!rule.ok() || !nothing) return rule;
+  if (grammar.restricted()) {
+    // Matches exist, only none the vocabulary can write: a rule deriving
+    // nothing, which Freeze drops (or reports as the vocabulary's fault).
+    bool nothing_at_all = false;
+    absl::StatusOr<uint32_t> check = CompileParsed(parser.nodes(), *root, options, grammar, name,
+                                                   /*restrict=*/false, /*emit=*/false, &nothing_at_all);
+    if (!check.ok()) return check.status();
+    if (!nothing_at_all) {
+      const uint32_t r = grammar.AddRule(absl::StrCat(std::string(name), "#unwritable"));
+      grammar.AddAlternative(r, {grammar.Nothing()});
+      return r;
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("regex '", std::string(name), "' matches no string"));
 }
 
 }  // namespace exl3serve::coordinator::constrained

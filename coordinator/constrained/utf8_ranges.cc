@@ -2,6 +2,7 @@
 #include "coordinator/constrained/utf8_ranges.h"
 
 #include <algorithm>
+#include <iterator>
 
 namespace exl3serve::coordinator::constrained {
 namespace {
@@ -82,6 +83,35 @@ CodePointSet ComplementCodePoints(const CodePointSet& set) {
   }
   if (next <= kMaxCodePoint) out.push_back({next, kMaxCodePoint});
   return out;
+}
+
+CodePointSet IntersectCodePoints(const CodePointSet& a, const CodePointSet& b) {
+  const CodePointSet x = NormalizeCodePoints(a), y = NormalizeCodePoints(b);
+  CodePointSet out;
+  for (size_t i = 0, j = 0; i < x.size() && j < y.size();) {
+    const uint32_t lo = std::max(x[i].first, y[j].first), hi = std::min(x[i].second, y[j].second);
+    if (lo <= hi) out.push_back({lo, hi});
+    if (x[i].second < y[j].second) {
+      ++i;
+    } else {
+      ++j;
+    }
+  }
+  return out;
+}
+
+bool ContainsCodePoint(const CodePointSet& set, uint32_t cp) {
+  auto it = std::upper_bound(set.begin(), set.end(), cp,
+                             [](uint32_t v, const std::pair<uint32_t, uint32_t>& r) { return v < r.first; });
+  return it != set.begin() && cp <= std::prev(it)->second;
+}
+
+int Utf8LengthFromLead(uint8_t lead) {
+  if (lead < 0x80) return 1;
+  if (lead >= 0xC2 && lead <= 0xDF) return 2;
+  if (lead >= 0xE0 && lead <= 0xEF) return 3;
+  if (lead >= 0xF0 && lead <= 0xF4) return 4;
+  return 0;
 }
 
 std::vector<Utf8Sequence> Utf8Sequences(const CodePointSet& set) {

@@ -25,6 +25,10 @@ using CodePointSet = std::vector<std::pair<uint32_t, uint32_t>>;
 CodePointSet NormalizeCodePoints(CodePointSet set);
 // All code points not in `set` (normalized).
 CodePointSet ComplementCodePoints(const CodePointSet& set);
+// The code points in both (normalized).
+CodePointSet IntersectCodePoints(const CodePointSet& a, const CodePointSet& b);
+// `cp` is in `set`; `set` must be normalized.
+bool ContainsCodePoint(const CodePointSet& set, uint32_t cp);
 
 // One byte range per byte of a UTF-8 sequence (1-4 entries): the byte
 // strings b0 b1 .. with lo_i <= b_i <= hi_i.
@@ -35,6 +39,10 @@ std::vector<Utf8Sequence> Utf8Sequences(const CodePointSet& set);
 
 // Appends the UTF-8 encoding of `cp` (< 0x110000, not a surrogate).
 void AppendUtf8(uint32_t cp, std::string& out);
+
+// The length of the UTF-8 sequence that `lead` starts: 1-4, 0 for a
+// continuation byte (0x80..0xBF) or a byte no sequence starts with.
+int Utf8LengthFromLead(uint8_t lead);
 
 // Decodes one character at `text[*pos]`, advancing *pos; false (pos
 // unchanged) at an invalid or truncated sequence.

@@ -2,7 +2,10 @@
 // ResourceExhausted past a size limit) with a message naming the keyword and
 // its JSON pointer, the regex offset or the grammar line:column — never a
 // crash or a silently ignored keyword; hostile nesting is bounded.
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "coordinator/constrained/constraint.h"
 #include "gmock/gmock.h"
@@ -13,8 +16,16 @@ namespace {
 
 using ::testing::HasSubstr;
 
+// A byte-complete vocabulary (every byte a token), so what a vocabulary can
+// write plays no part here (vocabulary_liveness_test covers that).
+std::shared_ptr<const TokenVocabulary> ByteVocab() {
+  std::vector<std::optional<std::string>> bytes = {std::nullopt};
+  for (int b = 0; b < 256; ++b) bytes.push_back(std::string(1, static_cast<char>(b)));
+  return *TokenVocabulary::FromBytes(std::move(bytes), std::vector<int32_t>{0});
+}
+
 absl::Status Compile(ConstraintKind kind, const std::string& text) {
-  static auto vocab = *TokenVocabulary::FromBytes({std::nullopt, "a", "{", "}"}, std::vector<int32_t>{0});
+  static auto vocab = ByteVocab();
   return CompileConstraint({.kind = kind, .text = text}, vocab).status();
 }
 
@@ -127,7 +138,7 @@ TEST(CompileErrorsTest, ChoiceAndVocabularyErrors) {
 }
 
 TEST(CompileErrorsTest, CacheReturnsTheSameCompiledConstraintAndEvicts) {
-  auto vocab = *TokenVocabulary::FromBytes({std::nullopt, "a", "b"}, std::vector<int32_t>{0});
+  auto vocab = *TokenVocabulary::FromBytes({std::nullopt, "a", "b", "+"}, std::vector<int32_t>{0});
   ConstraintCache cache(vocab, 2);
   auto a1 = cache.Get({.kind = ConstraintKind::kRegex, .text = "a+"});
   auto a2 = cache.Get({.kind = ConstraintKind::kRegex, .text = "a+"});
