@@ -115,7 +115,12 @@ class ConstraintCache {
 };
 
 // One sequence's position in a compiled constraint: the output accepted so
-// far (token by token, with history for rollback).
+// far (token by token, with history for rollback). JSON Schema constraints
+// also keep object keys unique: a token that would complete a key its object
+// already has (compared decoded: "a" and "\u0061" are one key), or repeat
+// one within itself, is not allowed although the grammar alone would allow
+// it. Free keys can always be extended instead, so this leaves no dead state
+// (given a vocabulary that can write key characters one by one).
 class TokenMatcher {
  public:
   explicit TokenMatcher(std::shared_ptr<const CompiledConstraint> constraint);
@@ -129,8 +134,9 @@ class TokenMatcher {
   // which a vocabulary lacking the bytes the constraint needs can cause.
   void FillNextTokenMask(std::span<uint32_t> mask);
   // Advances by one token. InvalidArgument (state unchanged) when the token
-  // is not allowed; an EOS id is accepted where the output is complete and
-  // leaves the matcher terminated (nothing but rollback after it).
+  // is not allowed (JSON Schema: a repeated key too); an EOS id is accepted
+  // where the output is complete and leaves the matcher terminated (nothing
+  // but rollback after it).
   absl::Status AcceptToken(int32_t id);
   // Undoes the last `num_tokens` accepted tokens. InvalidArgument when fewer
   // were accepted.

@@ -21,6 +21,7 @@
 
 #include "coordinator/constrained/compiled_constraint.h"
 #include "coordinator/constrained/constraint.h"
+#include "coordinator/constrained/json_key_tracker.h"
 #include "coordinator/constrained/mask_cache.h"
 #include "coordinator/tokenizer/tokenizer.h"
 
@@ -61,6 +62,11 @@ std::vector<Case> Cases() {
   cases.push_back({"json: any value ({})",
                    {.kind = cs::ConstraintKind::kJsonSchema, .text = "{}"},
                    {R"({"results": [{"id": 1, "score": 0.93, "label": "positive", "spans": [[0, 4], [10, 22]]}, {"id": 2, "score": -1.5e-3, "label": null, "meta": {"source": "web", "lang": "de", "ok": true}}], "count": 2})"}});
+  // response_format json_object: free keys, so the unique-key filter works
+  // at every key (json_key_tracker.h).
+  cases.push_back({"json: json_object",
+                   {.kind = cs::ConstraintKind::kJsonSchema, .text = R"({"type":"object"})"},
+                   {R"({"answer": "Paris is the capital of France.", "confidence": 0.97, "sources": [{"title": "France", "url": "https://en.wikipedia.org/wiki/France"}, {"title": "Paris", "url": "https://en.wikipedia.org/wiki/Paris"}], "follow_up": ["What is the population of Paris?", "When was it founded?"], "metadata": {"model": "qwen3", "tokens": 412, "cached": false, "lang": "en"}, "id": "a1", "ok": true, "name": "capital", "names": ["Paris"]})"}});
   cases.push_back({"json: tool call",
                    {.kind = cs::ConstraintKind::kJsonSchema,
                     .text = R"({"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"location":{"type":"string","description":"City and country"},"unit":{"type":"string","enum":["celsius","fahrenheit"]},"days":{"type":"integer","minimum":1,"maximum":14}},"required":["location","unit"],"additionalProperties":false}},"required":["name","arguments"],"additionalProperties":false})"},
@@ -194,6 +200,14 @@ int main(int argc, char** argv) {
           naive_us.push_back(Micros(Clock::now() - n0));
           for (int32_t e : eos) {
             if (m.IsComplete()) naive[e >> 5] |= 1u << (e & 31);
+          }
+          if (c.spec.kind == cs::ConstraintKind::kJsonSchema) {
+            // JSON Schema masks also drop tokens repeating an object key.
+            cs::JsonKeyTracker keys;
+            for (size_t k = 0; k < step; ++k) keys.Append((*vocab)->token_bytes(ids[k]).value_or(""));
+            for (int32_t q : gc.quote_tokens().WithAtLeast(1)) {
+              if (keys.WouldRepeatKey(*(*vocab)->token_bytes(q))) naive[q >> 5] &= ~(1u << (q & 31));
+            }
           }
           if (naive != mask) {
             std::printf("%-24s step %zu: cached mask differs from the naive walk\n", c.name, step);
