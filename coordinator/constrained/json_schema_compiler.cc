@@ -829,6 +829,9 @@ class Disjointness {
   int64_t budget_ = 200000;  // calls per oneOf
 };
 
+// Emails with a maxLength are at most this long (see String()).
+constexpr int64_t kMaxCountedEmail = 66;
+
 class SchemaCompiler {
  public:
   SchemaCompiler(const json& root, Grammar& g) : root_(root), g_(g) {}
@@ -1360,11 +1363,8 @@ class SchemaCompiler {
   absl::StatusOr<Sequence> String(const json& s, const std::string& ptr) {
     const bool has_length = s.contains("minLength") || s.contains("maxLength");
     if (s.contains("pattern") || s.contains("format")) {
-      if (has_length && s.contains("format")) {
-        return Error(ptr, "minLength/maxLength together with format is not supported");
-      }
       if (s.contains("pattern") && s.contains("format")) {
-        return Error(ptr, "pattern together with format is not supported");
+        return Error(ptr, "pattern together with format is not supported (regexes are not intersected)");
       }
       std::string pattern;
       RegexOptions options{.json_string_content = true, .search = true};
@@ -1386,13 +1386,33 @@ class SchemaCompiler {
         if (*max >= 0 && *max < *min) return Error(ptr, "maxLength is below minLength");
         options.min_code_points = *min;
         options.max_code_points = *max;
+        if (*max >= 0 && s.contains("format") && s["format"] == "email") {
+          // The email DFA counts label lengths (<= 63) and the TLD's; times
+          // a counter up to 254 that is far past kMaxRegexDfaStates. An
+          // email of at most kMaxCountedEmail characters cannot have a
+          // longer label, so below it labels go uncounted and a larger
+          // maxLength is narrowed to it.
+          if (*min > kMaxCountedEmail) {
+            return Error(ptr, absl::StrCat("minLength/maxLength together with format 'email': minLength above ",
+                                           kMaxCountedEmail, " (kMaxCountedEmail) is not supported"));
+          }
+          options.max_code_points = std::min(*max, kMaxCountedEmail);
+          pattern =
+              R"([A-Za-z0-9_+-]+(?:\.[A-Za-z0-9_+-]+)*@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*\.[A-Za-z]{2,})";
+        }
       }
-      absl::StatusOr<uint32_t> r = Regex(pattern, options, ptr + "/pattern");
+      // Length: the pattern's or format's DFA times a code-point counter.
+      const std::string where = s.contains("pattern") ? "/pattern" : "/format";
+      absl::StatusOr<uint32_t> r = Regex(pattern, options, ptr + where);
       if (!r.ok()) {
         if (r.status().code() == absl::StatusCode::kResourceExhausted) {
-          return absl::ResourceExhaustedError(absl::StrCat("at ", ptr, "/pattern: ", r.status().message()));
+          return absl::ResourceExhaustedError(absl::StrCat("at ", ptr, where, ": ", r.status().message()));
         }
-        return Error(ptr + (s.contains("pattern") ? "/pattern" : "/format"), std::string(r.status().message()));
+        if (has_length && s.contains("format")) {
+          return Error(ptr, absl::StrCat("minLength/maxLength together with format '", s["format"].get<std::string>(),
+                                         "' admit no string (", r.status().message(), ")"));
+        }
+        return Error(ptr + where, std::string(r.status().message()));
       }
       return Sequence{g_.Byte('"'), Grammar::Ref(*r), g_.Byte('"')};
     }

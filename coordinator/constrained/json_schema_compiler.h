@@ -8,6 +8,13 @@
 //   Grammar g;
 //   EXL3_ASSIGN_OR_RETURN(uint32_t root, CompileJsonSchema(R"({"type":"integer"})", g));
 //
+// oneOf is exact: a branch is emitted only where none of its values can be
+// valid against another branch (its objects may be narrowed to make it so;
+// a branch whose every value matches another is dropped); branches that may
+// overlap otherwise are refused ("oneOf at /x: branches 0 and 2 may both
+// match the same value ..."). `format` with minLength/maxLength counts code
+// points like `pattern` does (email with a maxLength: at most 66 characters).
+//
 // Errors: InvalidArgument for text that is not JSON, a keyword outside the
 // subset or a value of the wrong shape — the message names the keyword and
 // its JSON pointer ("unsupported JSON Schema keyword 'not' at /properties/a");
