@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "coordinator/constrained/compiled_constraint.h"
 #include "coordinator/constrained/constraint.h"
@@ -136,7 +137,7 @@ struct Checker {
   // `limit`) and every allowed token's next state can be completed. Returns
   // false (and says where) on a dead one; *closed: the exploration was
   // exhaustive.
-  ::testing::AssertionResult AllReachableCompletable(size_t limit, bool* closed = nullptr) {
+  ::testing::AssertionResult AllReachableCompletable(size_t limit, bool* closed = nullptr, bool quiet = false) {
     std::map<Key, std::string> seen;
     std::deque<std::pair<std::vector<Stack>, std::string>> queue;
     queue.push_back({Initial(), ""});
@@ -161,7 +162,7 @@ struct Checker {
       }
     }
     if (closed != nullptr) *closed = seen.size() < limit;
-    std::cout << "  [reachable] " << seen.size() << " states" << (seen.size() < limit ? " (all)" : " (capped)")
+    if (!quiet) std::cout << "  [reachable] " << seen.size() << " states" << (seen.size() < limit ? " (all)" : " (capped)")
               << ", each completable\n";
     return ::testing::AssertionSuccess() << seen.size() << " states";
   }
@@ -396,6 +397,71 @@ TEST(VocabularyLivenessTest, JsonSchemas) {
   auto any = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = "{}"}, no_braces);
   ASSERT_TRUE(any.ok()) << any.status();
   RandomWalks(*any, 13, 30, 40);
+}
+
+// Random small vocabularies (characters present or not, lone UTF-8 bytes,
+// multi-character tokens, tokens cut inside a character) against random
+// choices and fixed regexes and grammars: every reachable state is
+// completable (exhaustively), or the constraint is refused as unwritable.
+TEST(VocabularyLivenessTest, RandomVocabulariesNeverStuck) {
+  const std::vector<std::string> chars = {"a", "b", "c", "\"", "\xC3\xA9", "\xC3\xBC", "\xE2\x82\xAC"};
+  const std::vector<std::string> lone = {"\xC3", "\xA9", "\xBC", "\xE2", "\x82", "\xAC"};
+  const std::vector<ConstraintSpec> fixed = {
+      {.kind = ConstraintKind::kRegex, .text = "[ab\u00e9]+\u00fc?"},
+      {.kind = ConstraintKind::kRegex, .text = "(?:a|\u20ac)*b"},
+      {.kind = ConstraintKind::kRegex, .text = "[^a]{1,3}"},
+      {.kind = ConstraintKind::kRegex, .text = ".\"?c"},
+      {.kind = ConstraintKind::kGrammar, .text = "root ::= [a-c]+ (\"\xC3\xA9\" | \"\xC3\xBC\") | \"\xE2\x82\xAC\" root"},
+      {.kind = ConstraintKind::kJsonSchema, .text = R"({"enum":["a\u00e9","\u00fc","\u20acb"]})"},
+  };
+  size_t compiled = 0, refused = 0, states = 0;
+  for (uint32_t seed = 1; seed <= 150; ++seed) {
+    std::mt19937 rng(seed);
+    auto coin = [&](int percent) { return static_cast<int>(rng() % 100) < percent; };
+    std::vector<std::string> tokens;
+    for (const std::string& c : chars) {
+      if (coin(60)) tokens.push_back(c);
+    }
+    for (const std::string& b : lone) {
+      if (coin(25)) tokens.push_back(b);
+    }
+    for (int k = 0; k < 6; ++k) {
+      std::string t;
+      for (int n = 1 + static_cast<int>(rng() % 3); n > 0; --n) t += chars[rng() % chars.size()];
+      if (coin(40)) t = t.substr(0, 1 + rng() % t.size());  // may end inside a character
+      if (coin(20) && t.size() > 1) t = t.substr(1 + rng() % (t.size() - 1));  // may start inside one
+      tokens.push_back(t);
+    }
+    auto v = Vocab(tokens);
+    std::vector<ConstraintSpec> specs = fixed;
+    ConstraintSpec choice = {.kind = ConstraintKind::kChoice};
+    for (int k = 0; k < 3; ++k) {
+      std::string s;
+      for (int n = 1 + static_cast<int>(rng() % 4); n > 0; --n) s += chars[rng() % chars.size()];
+      choice.choices.push_back(s);
+    }
+    specs.push_back(choice);
+    for (const ConstraintSpec& spec : specs) {
+      SCOPED_TRACE(absl::StrCat("seed ", seed, " ", ConstraintKindName(spec.kind), " ", spec.text));
+      auto c = CompileConstraint(spec, v);
+      if (!c.ok()) {
+        ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+        ASSERT_TRUE(absl::StrContains(c.status().message(), "no output of this constraint can be written"))
+            << c.status();
+        ++refused;
+        continue;
+      }
+      ++compiled;
+      Checker ck(**c);
+      bool closed = false;
+      ASSERT_TRUE(ck.AllReachableCompletable(5000, &closed, /*quiet=*/true));
+      states += ck.states_checked;
+    }
+  }
+  std::cout << "  [random] " << compiled << " constraints compiled (" << states << " reachable states, each completable), "
+            << refused << " refused as unwritable\n";
+  EXPECT_GT(compiled, 500u);
+  EXPECT_GT(refused, 20u);
 }
 
 // ---- BabyLlama: 105 characters, no byte fallback -----------------------------
