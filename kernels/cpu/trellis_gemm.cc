@@ -50,7 +50,8 @@ void BuildPositionOrder(const float* x_had, int64_t m, int64_t k, float* x_pos) 
 // kInt8 activations: per-row scale max|x'|/127, RNE to int8, replicated into
 // the four bytes of a word (each byte of the codebook product meets a copy).
 void BuildInt8PositionOrder(const float* x_had, int64_t m, int64_t k, uint32_t* x_pos_i8,
-                            uint32_t* x_pair_i8, float* x_scale, int32_t* x_int_sum) {
+                            uint32_t* x_pair_i8, uint32_t* x_pair_i16, float* x_scale,
+                            int32_t* x_int_sum) {
   const int64_t groups = k / kTileDim;
   std::vector<int8_t> q(static_cast<size_t>(k));
   for (int64_t i = 0; i < m; ++i) {
@@ -74,10 +75,14 @@ void BuildInt8PositionOrder(const float* x_had, int64_t m, int64_t k, uint32_t* 
         dst[e] = byte * 0x01010101u;
       }
       uint32_t* pair = x_pair_i8 + (i * groups + tk) * 8;
+      uint32_t* pair16 = x_pair_i16 + (tk * m + i) * 8;
       for (int s = 0; s < 8; ++s) {
         const uint32_t b0 = static_cast<uint8_t>(q[tk * kTileDim + 2 * s]);
         const uint32_t b1 = static_cast<uint8_t>(q[tk * kTileDim + 2 * s + 1]);
         pair[s] = b0 * 0x0101u + b1 * 0x01010000u;
+        const uint32_t w0 = static_cast<uint16_t>(q[tk * kTileDim + 2 * s]);  // sign-extended
+        const uint32_t w1 = static_cast<uint16_t>(q[tk * kTileDim + 2 * s + 1]);
+        pair16[s] = w0 | w1 << 16;
       }
     }
   }
@@ -179,6 +184,7 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
   std::vector<float> x_pos;
   std::vector<uint32_t> x_pos_i8;
   std::vector<uint32_t> x_pair_i8;
+  std::vector<uint32_t> x_pair_i16;
   std::vector<float> x_scale;
   std::vector<int32_t> x_int_sum;
   if (bf16) {
@@ -187,12 +193,14 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
   } else if (options.precision == TrellisGemmPrecision::kInt8) {
     x_pos_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 32));
     x_pair_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 8));
+    x_pair_i16.resize(x_pair_i8.size());
     x_scale.resize(static_cast<size_t>(m));
     x_int_sum.resize(static_cast<size_t>(m));
-    BuildInt8PositionOrder(x_had.data(), m, k, x_pos_i8.data(), x_pair_i8.data(), x_scale.data(),
-                           x_int_sum.data());
+    BuildInt8PositionOrder(x_had.data(), m, k, x_pos_i8.data(), x_pair_i8.data(),
+                           x_pair_i16.data(), x_scale.data(), x_int_sum.data());
     problem.x_pos_i8 = x_pos_i8.data();
     problem.x_pair_i8 = x_pair_i8.data();
+    problem.x_pair_i16 = x_pair_i16.data();
     problem.x_scale = x_scale.data();
     problem.x_int_sum = x_int_sum.data();
   } else if (m <= kPositionOrderMaxRows) {

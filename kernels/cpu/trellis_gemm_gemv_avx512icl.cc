@@ -30,6 +30,11 @@
 //            [a_2s a_2s a_2s+1 a_2s+1] as an {1to16} broadcast operand  2R
 //   = 7 + 2R uops / 32 weights, 4 + 2R on p0: 6 cycles / 32 at R = 1 =
 //   3 cycles / 16 (the 32-bit-lane form was 6 uops / 16, 4 on p0).
+// kInt8 passes of >= 3 rows (verify steps, batched decode): t once per slice
+//   (2 vpmaddubsw + vpaddw, as kFloat below), then ONE vpdpwssd per row
+//   against the int16 pair [a_2s a_2s+1] ({1to16} from x_pair_i16):
+//   10 + R uops, 6 + R on p0; a pass holds up to 16 rows (R·C <= 16
+//   accumulators), so 5..16 rows decode each tile once instead of 2..4 times.
 // kFloat (exact mul1 weights), per 32 weights:
 //   window 3 + product 4 (as above)
 //   t        2 vpmaddubsw (p0) + vpaddw (p05)                          3
@@ -44,9 +49,12 @@
 // GCC 12 flags the intrinsics' internal _mm512_undefined_* as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <utility>
 
 #include "kernels/cpu/trellis_gemm_avx512_inl.h"
 #include "kernels/cpu/trellis_gemm_internal.h"
@@ -66,6 +74,11 @@ constexpr int kTilesPerBlock = 8;   // 128 columns
 // G weights/s (deeper prefetch evicts the rows being decoded); K = 2, 3 are
 // within noise for 2..4 rows.
 constexpr int kPrefetchRows = 2;
+// kInt8 passes of this many rows or more take the word form (PassInt8Words:
+// 6 + R p0 uops per 32 weights) over the byte form (PassInt8: 4 + 2R).
+// Measured 2026-12-03, 1 thread, hot cache, CPU time, K = 2 and 4: equal at
+// 2..4 rows, the word form 1.4-1.7x faster from 5 rows (one decode per pass).
+constexpr int kWordsMinRows = 3;
 
 // Word w of slice s holds tile element (Row, Column):
 //   kInt8:  dword lane j = words 2j, 2j+1 = rows 2s, 2s+1 of column j
@@ -187,7 +200,27 @@ inline void PrefetchRun(const uint16_t* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(c + off, _MM_HINT_T0);
 }
 
-// kInt8: rows [row0, row0 + R) x tiles [tn0, tn0 + C) of the block at n0.
+// kInt8 epilogue of a pass: acc[b][c] lane j = the exact int32 dot of row
+// row0 + b with column tn0·16 + 16c + j of the block.
+template <int R, int C>
+inline void StoreInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0,
+                      const __m512i (&acc)[R][C]) {
+  for (int b = 0; b < R; ++b) {
+    const int64_t row = row0 + b;
+    float* out = pr.y + row * pr.view->n + n0 + tn0 * kTileDim;
+    for (int c = 0; c < C; ++c) {
+      alignas(64) int32_t lanes[16];
+      _mm512_store_si512(lanes, acc[b][c]);
+      for (int j = 0; j < 16; ++j) {
+        out[c * kTileDim + j] =
+            internal::Int8Epilogue(lanes[j], pr.x_int_sum[row], pr.x_scale[row]);
+      }
+    }
+  }
+}
+
+// kInt8, bytes: rows [row0, row0 + R) x tiles [tn0, tn0 + C) of the block at
+// n0; 2 vpdpbusd per row and slice against the product bytes (LO, HI).
 template <int K, int R, int C>
 void PassInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) {
   const Exl3LinearView& view = *pr.view;
@@ -211,6 +244,7 @@ void PassInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) {
       for (int s = 0; s < kSlices; ++s) {
         __m512i lo, hi;
         SliceProduct<K>(raw, st, s, &lo, &hi);
+#pragma GCC unroll 16
         for (int b = 0; b < R; ++b) {
           const __m512i a = _mm512_set1_epi32(act[b][s]);
           acc[b][c] = _mm512_dpbusd_epi32(acc[b][c], lo, a);
@@ -219,17 +253,75 @@ void PassInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) {
       }
     }
   }
-  for (int b = 0; b < R; ++b) {
-    const int64_t row = row0 + b;
-    float* out = pr.y + row * view.n + n0 + tn0 * kTileDim;
-    for (int c = 0; c < C; ++c) {
-      alignas(64) int32_t lanes[16];
-      _mm512_store_si512(lanes, acc[b][c]);
-      for (int j = 0; j < 16; ++j) {
-        out[c * kTileDim + j] = internal::Int8Epilogue(lanes[j], pr.x_int_sum[row], pr.x_scale[row]);
-      }
-    }
+  StoreInt8<R, C>(pr, n0, row0, tn0, acc);
+}
+
+// acc += vpdpwssd(t, {1to16} broadcast of the dword at words + kOffset
+// bytes): one micro-fused uop, its address a base register + displacement.
+// In asm because with the intrinsic GCC hoists every row's broadcast out of
+// the tile loop into stack copies, and with an "m" operand it keeps one
+// pointer per (row, slice) on the stack. No memory operand is declared: the
+// activations are written before the kernel is called and never during it.
+template <int kOffset>
+inline void DpwssdBroadcast(__m512i& acc, __m512i t, const int32_t* words) {
+  asm("vpdpwssd %c3(%2)%{1to16%}, %1, %0" : "+v"(acc) : "v"(t), "r"(words), "i"(kOffset));
+}
+
+// Slice s of the tile in column c of the pass: decoded once, its byte sums t
+// meet every row b in Bs. Expanded at compile time (s, b, c all constants) so
+// acc stays in registers.
+template <int K, int R, int C, int c, int s, int... Bs>
+inline void SliceWords(const RawTile<K>& raw, const SliceTables& st, __m512i ones,
+                       const int32_t* words, __m512i (&acc)[R][C],
+                       std::integer_sequence<int, Bs...>) {
+  __m512i lo, hi;
+  SliceProduct<K>(raw, st, s, &lo, &hi);
+  const __m512i t =
+      _mm512_add_epi16(_mm512_maddubs_epi16(lo, ones), _mm512_maddubs_epi16(hi, ones));
+  (DpwssdBroadcast<4 * (Bs * kSlices + s)>(acc[Bs][c], t, words), ...);
+}
+
+template <int K, int R, int C, int c, int... Ss>
+inline void TileWords(const uint16_t* run, const SliceTables& st, __m512i ones,
+                      const int32_t* words, __m512i (&acc)[R][C],
+                      std::integer_sequence<int, Ss...>) {
+  const RawTile<K> raw = LoadRaw<K>(run + c * 16 * K);
+  (SliceWords<K, R, C, c, Ss>(raw, st, ones, words, acc, std::make_integer_sequence<int, R>()),
+   ...);
+}
+
+template <int K, int R, int C, int... Cs>
+inline void RowOfTilesWords(const uint16_t* run, const SliceTables& st, __m512i ones,
+                            const int32_t* words, __m512i (&acc)[R][C],
+                            std::integer_sequence<int, Cs...>) {
+  (TileWords<K, R, C, Cs>(run, st, ones, words, acc, std::make_integer_sequence<int, kSlices>()),
+   ...);
+}
+
+// kInt8, words: as PassInt8, but the slice's byte sums t (< 1021) are formed
+// once per decode (2 vpmaddubsw + vpaddw) and each row costs ONE vpdpwssd
+// against the broadcast int16 pair [a_2s a_2s+1] (x_pair_i16): 4 + 2 + R p0
+// uops per 32 weights instead of 4 + 2R. Same int32 sums (exact, and any
+// wrap-around alike).
+template <int K, int R, int C>
+void PassInt8Words(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) {
+  const Exl3LinearView& view = *pr.view;
+  const int64_t groups = view.k / kTileDim;
+  const int64_t tiles_n = view.n / kTileDim;
+  const int64_t row_stride = tiles_n * 16 * K;
+  const SliceTables& st = GetSliceTables<K, true>();
+  __m512i acc[R][C];
+  for (int b = 0; b < R; ++b)
+    for (int c = 0; c < C; ++c) acc[b][c] = _mm512_setzero_si512();
+  const __m512i ones = _mm512_set1_epi8(1);
+  const uint16_t* run = view.trellis + (n0 / kTileDim + tn0) * 16 * K;
+  const int32_t* words = reinterpret_cast<const int32_t*>(pr.x_pair_i16) + row0 * kSlices;
+  const int64_t words_stride = pr.m * kSlices;  // x_pair_i16 is tk-major
+  for (int64_t tk = 0; tk < groups; ++tk, run += row_stride, words += words_stride) {
+    if (tk + kPrefetchRows < groups) PrefetchRun(run + kPrefetchRows * row_stride, C * 32 * K);
+    RowOfTilesWords<K, R, C>(run, st, ones, words, acc, std::make_integer_sequence<int, C>());
   }
+  StoreInt8<R, C>(pr, n0, row0, tn0, acc);
 }
 
 // kFloat: same walk; two accumulators per (row, tile): rows 2s and 2s+1.
@@ -263,6 +355,7 @@ void PassFloat(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) 
             _mm512_castsi512_ps(_mm512_unpacklo_epi16(t, magic)));
         const __m512 w1 = avx512_inl::Mul1WeightFromMagic(
             _mm512_castsi512_ps(_mm512_unpackhi_epi16(t, magic)));
+#pragma GCC unroll 16
         for (int b = 0; b < R; ++b) {
           acc[b][c][0] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[b][2 * s]), acc[b][c][0]);
           acc[b][c][1] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[b][2 * s + 1]), acc[b][c][1]);
@@ -278,31 +371,52 @@ void PassFloat(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, int tn0) 
   }
 }
 
-// Rows per pass and tiles per pass: accumulators R·C (int8) or 2·R·C (fp32)
-// stay <= 16 zmm, so nothing spills.
+// One pass of R rows over the whole block, C tiles at a time. Accumulators
+// R·C (int8) or 2·R·C (fp32) stay <= 16 zmm, so nothing spills; C is the
+// largest power of two that allows, so a tile is decoded once per pass of up
+// to 16 (int8) / 8 (fp32) rows (was: once per 4 rows). C = 1 walks one tile
+// column (a 32K-byte tile per row of tiles, prefetched); the per-tile work is
+// then >= 9 rows' worth, far from the DRAM bound.
 template <int K, bool kInt8, int R>
 void RowsPass(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
-  constexpr int C = kInt8 ? (R <= 2 ? 8 : 4) : (R == 1 ? 8 : R == 2 ? 4 : 2);
+  constexpr int kAccPerTile = kInt8 ? R : 2 * R;
+  constexpr int C = kAccPerTile <= 2 ? 8 : kAccPerTile <= 4 ? 4 : kAccPerTile <= 8 ? 2 : 1;
+  static_assert(kAccPerTile * C <= 16);
   for (int tn0 = 0; tn0 < kTilesPerBlock; tn0 += C) {
     if constexpr (kInt8) {
-      PassInt8<K, R, C>(pr, n0, row0, tn0);
+      if constexpr (R >= kWordsMinRows) {
+        PassInt8Words<K, R, C>(pr, n0, row0, tn0);
+      } else {
+        PassInt8<K, R, C>(pr, n0, row0, tn0);
+      }
     } else {
       PassFloat<K, R, C>(pr, n0, row0, tn0);
     }
   }
 }
 
+using RowsPassFn = void (*)(const TrellisGemmProblem&, int64_t, int64_t);
+
+template <int K, bool kInt8, int... Rs>
+constexpr std::array<RowsPassFn, sizeof...(Rs)> MakeRowsPasses(std::integer_sequence<int, Rs...>) {
+  return {&RowsPass<K, kInt8, Rs + 1>...};
+}
+
+// Rows of one pass at most: int8 16 (one accumulator per row and tile),
+// fp32 8 (two).
+template <bool kInt8>
+constexpr int kMaxPassRows = kInt8 ? 16 : 8;
+
 template <int K, bool kInt8>
 void Block(const TrellisGemmProblem& pr, int64_t block) {
+  static constexpr std::array<RowsPassFn, kMaxPassRows<kInt8>> passes =
+      MakeRowsPasses<K, kInt8>(std::make_integer_sequence<int, kMaxPassRows<kInt8>>());
   const int64_t n0 = block * internal::kColumnBlock;
   const int64_t m = pr.m;
-  int64_t i = 0;
-  for (; i + 4 <= m; i += 4) RowsPass<K, kInt8, 4>(pr, n0, i);
-  switch (m - i) {
-    case 3: RowsPass<K, kInt8, 3>(pr, n0, i); break;
-    case 2: RowsPass<K, kInt8, 2>(pr, n0, i); break;
-    case 1: RowsPass<K, kInt8, 1>(pr, n0, i); break;
-    default: break;
+  for (int64_t i = 0; i < m;) {
+    const int64_t rows = std::min<int64_t>(kMaxPassRows<kInt8>, m - i);
+    passes[rows - 1](pr, n0, i);
+    i += rows;
   }
 }
 

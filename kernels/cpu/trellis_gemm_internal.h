@@ -88,6 +88,10 @@ struct TrellisGemmProblem {
   // kInt8: m x (k/16) x 8 words, word s = bytes [q(2s), q(2s), q(2s+1), q(2s+1)]
   // with q(r) the int8 of x'[i][16·tk + r] (the AVX-512 VBMI2 GEMV's slices).
   const uint32_t* x_pair_i8 = nullptr;
+  // kInt8: the same pairs as int16 words, (k/16) x m x 8 (tk-major, so one
+  // pointer plus constant offsets reaches every row of a pass), word s =
+  // q(2s) | q(2s+1) << 16 sign-extended (the VBMI2 GEMV's vpdpwssd form).
+  const uint32_t* x_pair_i16 = nullptr;
   const float* x_scale = nullptr;
   const int32_t* x_int_sum = nullptr;
   // kBf16: ceil(m / kBf16RowGroup) x (k/2) x kBf16RowGroup words (see above).
