@@ -7,6 +7,7 @@
 // hand-written texts are accepted or refused as expected. Schemas whose
 // branches can overlap are refused, naming the oneOf's pointer and the two
 // branches.
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <random>
@@ -402,6 +403,90 @@ TEST_F(OneOfTest, EveryOutputMatchesExactlyOneBranch) {
   }
   EXPECT_EQ(schemas, static_cast<int>(ExactCases().size()));
   EXPECT_GT(outputs, 2000);
+  RecordProperty("outputs_validated", outputs);
+}
+
+// Random oneOf schemas: each compiles and every walk output matches exactly
+// one branch, or it is refused as an overlap naming the pointer.
+json RandomBranch(std::mt19937& g, int depth) {
+  auto rand = [&](int n) { return std::uniform_int_distribution<int>(0, n - 1)(g); };
+  static const json kValues = json::array({"a", "b", 1, 2, 2.5, true, nullptr, json::object({{"a", 1}})});
+  switch (rand(depth > 0 ? 11 : 8)) {
+    case 0: return {{"type", rand(2) ? "null" : "boolean"}};
+    case 1: {
+      json s = {{"type", "string"}};
+      const int lo = rand(4);
+      if (rand(2)) s["minLength"] = lo;
+      if (rand(2)) s["maxLength"] = lo + rand(3);
+      return s;
+    }
+    case 2:
+    case 3: {
+      json s = {{"type", rand(2) ? "integer" : "number"}};
+      const int lo = rand(10) - 5;
+      if (rand(2)) s[rand(2) ? "minimum" : "exclusiveMinimum"] = lo;
+      if (rand(2)) s[rand(2) ? "maximum" : "exclusiveMaximum"] = lo + 2 + rand(6);
+      return s;
+    }
+    case 4: return {{"const", kValues[rand(8)]}};
+    case 5: {
+      json e = json::array();
+      for (int i = 0, n = 1 + rand(3); i < n; ++i) {
+        const json v = kValues[rand(8)];
+        if (std::find(e.begin(), e.end(), v) == e.end()) e.push_back(v);
+      }
+      return {{"enum", e}};
+    }
+    case 6: return {{"type", json::array({"string", "null"})}, {"maxLength", 2}};
+    case 7: return {{"type", "array"}, {"items", {{"type", "integer"}}}, {"minItems", rand(2)}, {"maxItems", 1 + rand(2)}};
+    default: {
+      json props = json::object(), required = json::array();
+      for (const char* name : {"a", "b", "c"}) {
+        if (rand(3) == 0) continue;
+        props[name] = RandomBranch(g, depth - 1);
+        if (rand(2)) required.push_back(name);
+      }
+      json s = {{"type", "object"}, {"properties", props}, {"required", required}};
+      switch (rand(4)) {
+        case 0: s["additionalProperties"] = false; break;
+        case 1: s["additionalProperties"] = true; break;
+        case 2: s["additionalProperties"] = {{"type", "integer"}}; break;
+        default: break;
+      }
+      return s;
+    }
+  }
+}
+
+TEST_F(OneOfTest, RandomOneOfsAreExactOrRefused) {
+  std::mt19937 g(99);
+  int compiled = 0, refused = 0, outputs = 0;
+  for (int iter = 0; iter < 400; ++iter) {
+    json branches = json::array();
+    for (int i = 0, n = 2 + static_cast<int>(g() % 2); i < n; ++i) branches.push_back(RandomBranch(g, 2));
+    const json schema = {{"oneOf", branches}};
+    SCOPED_TRACE(schema.dump());
+    auto c = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = schema.dump()}, vocab_);
+    if (!c.ok()) {
+      ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+      ASSERT_THAT(std::string(c.status().message()), HasSubstr("may both match the same value")) << c.status();
+      ++refused;
+      continue;
+    }
+    ++compiled;
+    const Validator val(schema);
+    Walks(*c, g, 25, [&](const std::string& out) {
+      const json doc = json::parse(out, nullptr, false);
+      ASSERT_FALSE(doc.is_discarded()) << "EOS allowed but not JSON: " << out;
+      ASSERT_EQ(val.Matches(doc, branches), 1) << out;
+      ++outputs;
+    });
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GT(compiled, 100);
+  EXPECT_GT(refused, 50);
+  RecordProperty("compiled", compiled);
+  RecordProperty("refused", refused);
   RecordProperty("outputs_validated", outputs);
 }
 
