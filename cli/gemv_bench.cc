@@ -145,15 +145,26 @@ absl::StatusOr<TimingStats> TimeCalls(const TimingPlan& plan,
     absl::Status status = call(index++);
     if (!status.ok()) return status;
   }
+  const int calls = std::max(plan.calls_per_sample, 1);
+  auto now = [&plan]() -> double {
+    if (plan.thread_cpu_time) {
+      timespec ts{};
+      clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+      return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+    }
+    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  };
   std::vector<double> seconds;
   double total = 0;
   while (static_cast<int>(seconds.size()) < std::max(plan.max_repeats, 1)) {
     if (static_cast<int>(seconds.size()) >= plan.min_repeats && total >= plan.max_seconds) break;
-    const auto t0 = Clock::now();
-    absl::Status status = call(index++);
-    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (!status.ok()) return status;
-    seconds.push_back(s);
+    const double t0 = now();
+    for (int j = 0; j < calls; ++j) {
+      absl::Status status = call(index++);
+      if (!status.ok()) return status;
+    }
+    const double s = now() - t0;
+    seconds.push_back(s / calls);
     total += s;
   }
   return SummarizeTimings(std::move(seconds));
@@ -297,6 +308,7 @@ void DenseWeightPool::Reserve(int64_t bytes) {
 const float* DenseWeightPool::floats() const { return reinterpret_cast<const float*>(buffer_); }
 
 int64_t CycleCopies(int64_t bytes_per_copy, int64_t cycle_bytes) {
+  if (cycle_bytes <= 0) return 1;
   return std::max<int64_t>(2, (cycle_bytes + bytes_per_copy - 1) / bytes_per_copy);
 }
 

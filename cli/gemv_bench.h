@@ -62,17 +62,24 @@ struct TimingStats {
 TimingStats SummarizeTimings(std::vector<double> seconds);
 
 // How many calls to time. Warm-up calls are run first and discarded; then
-// calls are timed one by one until `max_repeats` are done, or `max_seconds`
-// of timed calls have passed and at least `min_repeats` are done.
+// samples are timed one by one until `max_repeats` are done, or `max_seconds`
+// of timed samples have passed and at least `min_repeats` are done. A sample
+// is `calls_per_sample` consecutive calls timed together, recorded as time
+// per call. With `thread_cpu_time` samples read CLOCK_THREAD_CPUTIME_ID of
+// the calling thread instead of a steady clock: robust against other
+// processes loading the machine, but it counts only the calling thread, so
+// use it only where all work runs there (TrellisGemm with max_threads = 1).
 struct TimingPlan {
   int warmup_calls = 3;
   int min_repeats = 3;
   int max_repeats = 50;
   double max_seconds = 2.0;
+  int calls_per_sample = 1;
+  bool thread_cpu_time = false;
 };
 
 // Runs call(i) for i = 0, 1, ... (warm-up included, so a cycling index keeps
-// advancing) and times each timed call with a steady clock. The first non-OK
+// advancing) and times each sample as the plan says. The first non-OK
 // status from `call` is returned as is.
 absl::StatusOr<TimingStats> TimeCalls(const TimingPlan& plan,
                                       const std::function<absl::Status(int64_t call)>& call);
@@ -168,7 +175,8 @@ class DenseWeightPool {
 };
 
 // Number of copies of a `bytes_per_copy` matrix cycled so that at least
-// `cycle_bytes` stream between two reads of the same copy (>= 2).
+// `cycle_bytes` stream between two reads of the same copy (>= 2); 1 when
+// cycle_bytes <= 0 (hot weights: every call reads the same copy).
 int64_t CycleCopies(int64_t bytes_per_copy, int64_t cycle_bytes);
 
 // ---------------------------------------------------------- the kernels ---
@@ -182,7 +190,7 @@ struct GemvCase {
   int64_t m = 1;    // batch rows
   int threads = 1;  // >= 1
   kernels::TrellisGemmPrecision precision = kernels::TrellisGemmPrecision::kFloat;
-  int64_t cycle_bytes = kDefaultCycleBytes;
+  int64_t cycle_bytes = kDefaultCycleBytes;  // <= 0: one copy, hot in cache
 };
 
 struct GemvMeasurement {

@@ -25,12 +25,27 @@
 //   trellis_gemv_bench --quick   # smoke run: 4096x4096, mul1 K=2,4, batches 1,16,512
 //   trellis_gemv_bench --full    # the sweep: all 3 shapes, 2 s per row
 //   trellis_gemv_bench --shapes=4096x4096 --ks=2,4 --batches=1,512 --threads=all
+//   trellis_gemv_bench --cpu-time --shapes=1024x2816 --ks=2,3,4 --ks-3inst= --int8
+//       --no-bf16 --batches=1,2,4,5,8,12,16   # rows cost, hot weights, 1 thread, CPU time
+//
+// --cpu-time replaces all of the above (no DRAM probe, no baseline) with a
+// load-robust table: per shape, K, activation type and batch m, TrellisGemm
+// with max_threads = 1 (all work on the calling thread) on one hot weight copy
+// (cache-resident for shapes like 1024x2816), timed with
+// CLOCK_THREAD_CPUTIME_ID: --repeats samples (default 7) of --calls
+// consecutive calls (default 10) after 3 warm-up calls; best_us = the best
+// sample per call, med_us the median one. Its ceiling, measured in the same
+// run, is m separate 1-row calls: rows = best(m) / best(1) and x_1row =
+// best(m) / (m * best(1)) (< 1: m rows in one call cost less than m 1-row
+// calls). m = 1 is always measured, before and after the row's other batches
+// (the better of the two counts). --threads and --cycle-mib are ignored.
+// The time includes TrellisGemm's input/output transforms, not only the GEMV.
 //
 // Flags (comma lists): --shapes --ks (mul1) --ks-3inst --batches --threads
 // (numbers or "all") --isa=auto|scalar|avx2|avx512 --int8 (adds int8 rows for
 // mul1) --no-bf16 (drops the kBf16 rows: mul1 and 3inst, batches >= 64 only;
 // vdpbf16ps where the CPU has AVX512-BF16) --repeats=N --max-seconds=S (per row) --cycle-mib=M --dram-mib=M
-// --no-baseline.
+// --no-baseline --cpu-time --calls=N (--cpu-time only).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -76,6 +91,9 @@ struct Options {
   double max_seconds = 1.0;
   int64_t cycle_mib = bench::kDefaultCycleBytes >> 20;
   int64_t dram_mib = 2048;
+  bool cpu_time = false;
+  bool repeats_given = false;
+  int calls = 10;  // per sample, --cpu-time only
 };
 
 struct Shape {
@@ -87,7 +105,9 @@ void Usage() {
                "usage: trellis_gemv_bench [--quick|--full] [--shapes=4096x4096,...] [--ks=2,3,4]\n"
                "  [--ks-3inst=2,4] [--batches=1,16,512] [--threads=1,all] [--isa=auto]\n"
                "  [--int8] [--no-bf16] [--repeats=30] [--max-seconds=1] [--cycle-mib=1024] [--dram-mib=2048]\n"
-               "  [--no-baseline]\n");
+               "  [--no-baseline]\n"
+               "  or: trellis_gemv_bench --cpu-time [--shapes] [--ks] [--ks-3inst] [--batches]\n"
+               "  [--isa] [--int8] [--no-bf16] [--repeats=7] [--calls=10]\n");
 }
 
 template <typename T>
@@ -153,6 +173,11 @@ bool ParseArgs(int argc, char** argv, Options& o) {
       o.baseline = false;
     } else if (key == "--repeats") {
       ok = absl::SimpleAtoi(value, &o.repeats) && o.repeats >= 1;
+      o.repeats_given = true;
+    } else if (key == "--cpu-time") {
+      o.cpu_time = true;
+    } else if (key == "--calls") {
+      ok = absl::SimpleAtoi(value, &o.calls) && o.calls >= 1;
     } else if (key == "--max-seconds") {
       ok = absl::SimpleAtod(value, &o.max_seconds);
     } else if (key == "--cycle-mib") {
@@ -168,6 +193,7 @@ bool ParseArgs(int argc, char** argv, Options& o) {
       return false;
     }
   }
+  if (o.cpu_time && !o.repeats_given) o.repeats = 7;
   return true;
 }
 
@@ -194,6 +220,106 @@ std::string Ratio(double r) {
   char text[32];
   std::snprintf(text, sizeof text, "%.2f", r);
   return text;
+}
+
+std::vector<Row> TrellisRows(const Options& o, const std::vector<Shape>& shapes) {
+  std::vector<Row> rows;
+  for (const Shape& s : shapes) {
+    for (int k : o.ks) {
+      rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kFloat});
+      if (o.int8) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kInt8});
+      if (o.bf16) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kBf16});
+    }
+    for (int k : o.ks_3inst) {
+      rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kFloat});
+      if (o.bf16) rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kBf16});
+    }
+  }
+  return rows;
+}
+
+const char* PrecisionName(TrellisGemmPrecision p) {
+  return p == TrellisGemmPrecision::kInt8   ? "int8"
+         : p == TrellisGemmPrecision::kBf16 ? "bf16"
+                                             : "fp32";
+}
+
+// --cpu-time: see the file comment. Returns the number of failed rows.
+int RunCpuTime(const Options& o, const std::vector<Shape>& shapes) {
+  bench::TimingPlan plan;
+  plan.warmup_calls = 3;
+  plan.min_repeats = o.repeats;
+  plan.max_repeats = o.repeats;
+  plan.max_seconds = 0;
+  plan.calls_per_sample = o.calls;
+  plan.thread_cpu_time = true;
+  std::printf(
+      "timing: thread CPU time (CLOCK_THREAD_CPUTIME_ID), max_threads = 1, one hot weight copy; "
+      "3 warm-up calls, then %d samples of %d calls; best_us / med_us = best / median sample, "
+      "per call\n",
+      o.repeats, o.calls);
+  std::printf(
+      "ceiling (same run): m separate 1-row calls; rows = best(m) / best(1), x_1row = best(m) / "
+      "(m * best(1))\n\n");
+  std::printf("TrellisGemm CPU time (isa %s):\n", bench::ActiveIsaName().c_str());
+  std::printf("%-11s %-5s %2s %4s %6s %9s %9s %9s %6s %7s\n", "shape", "cb", "K", "act", "batch",
+              "best_us", "med_us", "us/row", "rows", "x_1row");
+  const bool print_one = std::find(o.batches.begin(), o.batches.end(), 1) != o.batches.end();
+  std::vector<int64_t> batches = {1};
+  for (int64_t m : o.batches) {
+    if (m != 1) batches.push_back(m);
+  }
+  bench::TrellisWeightPool pool;
+  int failures = 0;
+  for (const Row& row : TrellisRows(o, shapes)) {
+    // m = 1 is measured first and again last, and the better of the two is
+    // the row's 1-row time, so one burst on a neighbour core cannot skew
+    // every ratio of the row.
+    std::vector<int64_t> order = batches;
+    order.push_back(1);
+    std::vector<std::pair<int64_t, bench::TimingStats>> results;
+    for (int64_t m : order) {
+      // kBf16 is the prefill path: small batches keep the register GEMV.
+      if (row.precision == TrellisGemmPrecision::kBf16 && m < 64) continue;
+      bench::GemvCase c{.k = row.shape.k,
+                        .n = row.shape.n,
+                        .bits = row.bits,
+                        .codebook = row.codebook,
+                        .m = m,
+                        .threads = 1,
+                        .precision = row.precision,
+                        .cycle_bytes = 0};
+      auto r = bench::MeasureTrellisGemv(c, pool, plan);
+      if (!r.ok()) {
+        std::printf("%5lldx%-5lld %-5s %2d: error: %s\n", static_cast<long long>(c.k),
+                    static_cast<long long>(c.n), bench::CodebookName(c.codebook).c_str(), c.bits,
+                    std::string(r.status().message()).c_str());
+        ++failures;
+        continue;
+      }
+      if (m == 1 && !results.empty() && results.front().first == 1) {
+        bench::TimingStats& first = results.front().second;
+        if (r->timing.min_s < first.min_s) first = r->timing;
+      } else {
+        results.emplace_back(m, r->timing);
+      }
+    }
+    const double one_row_s =
+        !results.empty() && results.front().first == 1 ? results.front().second.min_s : 0;
+    for (const auto& [m, timing] : results) {
+      if (m == 1 && !print_one) continue;
+      const double best = timing.min_s;
+      std::printf("%5lldx%-5lld %-5s %2d %4s %6lld %9.1f %9.1f %9.1f %6s %7s\n",
+                  static_cast<long long>(row.shape.k), static_cast<long long>(row.shape.n),
+                  bench::CodebookName(row.codebook).c_str(), row.bits,
+                  PrecisionName(row.precision), static_cast<long long>(m), best * 1e6,
+                  timing.median_s * 1e6, best * 1e6 / static_cast<double>(m),
+                  Ratio(one_row_s > 0 ? best / one_row_s : 0).c_str(),
+                  Ratio(one_row_s > 0 ? best / (static_cast<double>(m) * one_row_s) : 0).c_str());
+    }
+    std::fflush(stdout);
+  }
+  return failures;
 }
 
 }  // namespace
@@ -231,6 +357,14 @@ int main(int argc, char** argv) {
               machine.cpu_model.c_str(), machine.cpu_signature.c_str(), machine.logical_cpus,
               static_cast<long long>(machine.l3_bytes >> 20), bench::ActiveIsaName().c_str());
   std::printf("load average (1/5/15 min) at start: %s\n", bench::LoadAverages().c_str());
+  if (o.cpu_time) {
+    const int failures = RunCpuTime(o, shapes);
+    const double total =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("\nload average at end: %s\ntotal %.0f s%s\n", bench::LoadAverages().c_str(),
+                total, failures ? " — some rows failed (see 'error' lines)" : "");
+    return failures ? 1 : 0;
+  }
   std::printf("baseline: %s\n", o.baseline ? bench::DenseBaselineDescription().c_str() : "skipped");
   std::printf(
       "timing: 3 warm-up calls, then up to %d timed calls or %.1f s per row; weights cycled "
@@ -313,18 +447,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- the trellis table
-  std::vector<Row> rows;
-  for (const Shape& s : shapes) {
-    for (int k : o.ks) {
-      rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kFloat});
-      if (o.int8) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kInt8});
-      if (o.bf16) rows.push_back({s, Codebook::kMul1, k, TrellisGemmPrecision::kBf16});
-    }
-    for (int k : o.ks_3inst) {
-      rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kFloat});
-      if (o.bf16) rows.push_back({s, Codebook::k3Inst, k, TrellisGemmPrecision::kBf16});
-    }
-  }
+  const std::vector<Row> rows = TrellisRows(o, shapes);
   std::printf("TrellisGemm (isa %s):\n", bench::ActiveIsaName().c_str());
   std::printf("%-11s %-5s %2s %4s %6s %4s %5s %7s %11s %11s %8s %8s %6s %8s %6s %6s\n", "shape",
               "cb", "K", "act", "batch", "thr", "n", "copies", "median_us", "p10_us", "Gw/s",
@@ -382,9 +505,7 @@ int main(int argc, char** argv) {
             "%6s %6s\n",
             static_cast<long long>(c.k), static_cast<long long>(c.n),
             bench::CodebookName(c.codebook).c_str(), c.bits,
-            c.precision == TrellisGemmPrecision::kInt8   ? "int8"
-            : c.precision == TrellisGemmPrecision::kBf16 ? "bf16"
-                                                          : "fp32",
+            PrecisionName(c.precision),
             static_cast<long long>(m),
             t, r->timing.samples, static_cast<long long>(r->copies), sec * 1e6,
             r->timing.p10_s * 1e6, w / sec / 1e9, gbs,
