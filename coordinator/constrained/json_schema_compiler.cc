@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "coordinator/constrained/regex_compiler.h"
+#include "coordinator/constrained/utf8_ranges.h"
 #include "nlohmann/json.hpp"
 
 namespace exl3serve::coordinator::constrained {
@@ -1138,34 +1139,137 @@ class SchemaCompiler {
     return static_cast<int64_t>(d);
   }
 
-  // Any key except the declared names (keys are canonical strings: JSON's
-  // short escapes where it must escape; a key diverging from every declared
-  // name does so at an ASCII character).
+  // The canonical encoding of one key character (as Dump and
+  // json_string_content write it): \" \\ \b \f \n \r \t, \u00xx for the
+  // other controls, raw UTF-8 otherwise.
+  static std::string CanonicalChar(uint32_t cp) {
+    switch (cp) {
+      case '"': return "\\\"";
+      case '\\': return "\\\\";
+      case '\b': return "\\b";
+      case '\f': return "\\f";
+      case '\n': return "\\n";
+      case '\r': return "\\r";
+      case '\t': return "\\t";
+      default: break;
+    }
+    if (cp < 0x20) {
+      static const char kHex[] = "0123456789abcdef";
+      return std::string("\\u00") + kHex[cp >> 4] + kHex[cp & 15];
+    }
+    std::string out;
+    AppendUtf8(cp, out);
+    return out;
+  }
+
+  // One canonical key character whose code point is not in `except`
+  // (sorted), then any canonical rest of the key and its closing '"'. One
+  // rule per distinct `except`; its escapes and non-ASCII characters are
+  // rules shared by the `except`s that exclude the same ones of them.
+  GrammarElement KeyDiverge(const std::vector<uint32_t>& except) {
+    if (auto it = key_diverge_.find(except); it != key_diverge_.end()) return Grammar::Ref(it->second);
+    if (!key_tail_) {
+      absl::StatusOr<uint32_t> r = Regex("[\\s\\S]*", {.json_string_content = true}, "key_rest");
+      if (!r.ok()) g_.SetError(r.status());
+      const uint32_t rest = r.ok() ? *r : g_.AddRule("key_rest");
+      key_tail_ = g_.AddRule("key_tail");
+      g_.AddAlternative(*key_tail_, {Grammar::Ref(rest), g_.Byte('"')});
+    }
+    std::vector<uint32_t> escaped, non_ascii;
+    ByteSet ascii;  // ASCII from ' ' but '"' and '\\': one byte
+    for (uint32_t c = 0x20; c < 0x80; ++c) {
+      if (c != '"' && c != '\\' && !std::binary_search(except.begin(), except.end(), c)) {
+        ascii.Add(static_cast<uint8_t>(c));
+      }
+    }
+    for (uint32_t cp : except) {
+      if (cp < 0x20 || cp == '"' || cp == '\\') {
+        escaped.push_back(cp);
+      } else if (cp >= 0x80) {
+        non_ascii.push_back(cp);
+      }
+    }
+    const uint32_t rule = g_.AddRule("key_diverge");
+    if (!ascii.empty()) g_.AddAlternative(rule, {g_.Bytes(ascii), Grammar::Ref(*key_tail_)});
+    g_.AddAlternative(rule, {KeyEscapeExcept(escaped), Grammar::Ref(*key_tail_)});
+    g_.AddAlternative(rule, {KeyNonAsciiExcept(non_ascii), Grammar::Ref(*key_tail_)});
+    key_diverge_[except] = rule;
+    return Grammar::Ref(rule);
+  }
+
+  // The canonical escapes (\" \\ \b \f \n \r \t, \u000x, \u001x) of the
+  // characters not in `except` (sorted).
+  GrammarElement KeyEscapeExcept(const std::vector<uint32_t>& except) {
+    if (auto it = key_escapes_.find(except); it != key_escapes_.end()) return Grammar::Ref(it->second);
+    auto excluded = [&](uint32_t cp) { return std::binary_search(except.begin(), except.end(), cp); };
+    std::vector<Sequence> alts;
+    ByteSet short_escape;
+    for (uint32_t c : {uint32_t{'"'}, uint32_t{'\\'}, uint32_t{'\b'}, uint32_t{'\f'}, uint32_t{'\n'}, uint32_t{'\r'},
+                       uint32_t{'\t'}}) {
+      if (!excluded(c)) short_escape.Add(static_cast<uint8_t>(CanonicalChar(c)[1]));
+    }
+    if (!short_escape.empty()) alts.push_back({g_.Byte('\\'), g_.Bytes(short_escape)});
+    for (uint32_t high = 0; high < 2; ++high) {
+      ByteSet low;
+      for (uint32_t c = high * 16; c < high * 16 + 16; ++c) {
+        const std::string e = CanonicalChar(c);
+        if (e.size() == 6 && !excluded(c)) low.Add(static_cast<uint8_t>(e[5]));
+      }
+      if (low.empty()) continue;
+      Sequence esc = g_.Literal("\\u00");
+      esc.push_back(g_.Byte(static_cast<uint8_t>('0' + high)));
+      esc.push_back(g_.Bytes(low));
+      alts.push_back(std::move(esc));
+    }
+    if (alts.empty()) alts.push_back({g_.Nothing()});  // derives nothing; Freeze drops it
+    const uint32_t rule = g_.AddRule("key_escape");
+    for (Sequence& a : alts) g_.AddAlternative(rule, std::move(a));
+    key_escapes_[except] = rule;
+    return Grammar::Ref(rule);
+  }
+
+  // The non-ASCII characters not in `except` (sorted), as whole UTF-8
+  // sequences.
+  GrammarElement KeyNonAsciiExcept(const std::vector<uint32_t>& except) {
+    if (auto it = key_non_ascii_.find(except); it != key_non_ascii_.end()) return Grammar::Ref(it->second);
+    CodePointSet taken = {{0, 0x7F}};
+    for (uint32_t cp : except) taken.push_back({cp, cp});
+    const uint32_t rule = g_.AddRule("key_non_ascii");
+    g_.AddAlternative(rule, {g_.Nothing()});  // so the rule is defined when nothing is writable
+    for (const Utf8Sequence& seq : Utf8Sequences(g_.WritableSubset(ComplementCodePoints(taken), /*note=*/false))) {
+      Sequence bytes;
+      for (auto [lo, hi] : seq) bytes.push_back(g_.Bytes(ByteSet::Range(lo, hi)));
+      g_.AddAlternative(rule, std::move(bytes));
+    }
+    key_non_ascii_[except] = rule;
+    return Grammar::Ref(rule);
+  }
+
+  // Any key except the given names. Keys are canonical strings (each
+  // character has one encoding, CanonicalChar), written character by
+  // character along a trie of the names' code points: at each node a key
+  // continues with a child's character, diverges with any other character
+  // (KeyDiverge), or closes where no name ends. Every choice is made
+  // between whole characters, so keys are valid UTF-8.
   GrammarElement KeyExcept(const std::vector<std::string>& names) {
     if (names.empty()) return StringValue();
-    if (!canonical_rest_) {
-      absl::StatusOr<uint32_t> r =
-          Regex("[\\s\\S]*", {.json_string_content = true}, "key_rest");
-      if (!r.ok()) g_.SetError(r.status());
-      canonical_rest_ = r.ok() ? *r : g_.AddRule("key_rest");
-    }
     struct TrieNode {
-      std::vector<std::pair<uint8_t, int>> kids;
+      std::vector<std::pair<uint32_t, int>> kids;  // code point, node
       bool terminal = false;
     };
     std::vector<TrieNode> trie(1);
     for (const std::string& name : names) {
-      const std::string enc = Dump(json(name));  // "..." canonical
       int at = 0;
-      for (size_t k = 1; k + 1 < enc.size(); ++k) {
-        const uint8_t b = static_cast<uint8_t>(enc[k]);
+      for (size_t k = 0; k < name.size();) {
+        uint32_t cp;
+        if (!DecodeUtf8(name, &k, &cp)) cp = 0xFFFD, ++k;  // parsed JSON is valid UTF-8; Dump's replacement
         int next = -1;
         for (auto [c, n] : trie[at].kids) {
-          if (c == b) next = n;
+          if (c == cp) next = n;
         }
         if (next < 0) {
           next = static_cast<int>(trie.size());
-          trie[at].kids.push_back({b, next});
+          trie[at].kids.push_back({cp, next});
           trie.emplace_back();
         }
         at = next;
@@ -1175,16 +1279,15 @@ class SchemaCompiler {
     std::vector<uint32_t> rules(trie.size());
     for (size_t n = 0; n < trie.size(); ++n) rules[n] = g_.AddRule("key_except");
     for (size_t n = 0; n < trie.size(); ++n) {
-      ByteSet diverge;
-      diverge.AddRange(0x20, 0x7E);
-      for (uint8_t c : {uint8_t{'"'}, uint8_t{'\\'}}) diverge.words[c >> 6] &= ~(uint64_t{1} << (c & 63));
-      for (auto [c, kid] : trie[n].kids) {
-        diverge.words[c >> 6] &= ~(uint64_t{1} << (c & 63));
-        g_.AddAlternative(rules[n], {g_.Byte(c), Grammar::Ref(rules[kid])});
+      std::vector<uint32_t> except;
+      for (auto [cp, kid] : trie[n].kids) {
+        except.push_back(cp);
+        Sequence step = g_.Literal(CanonicalChar(cp));
+        step.push_back(Grammar::Ref(rules[kid]));
+        g_.AddAlternative(rules[n], std::move(step));
       }
-      if (!diverge.empty()) {
-        g_.AddAlternative(rules[n], {g_.Bytes(diverge), Grammar::Ref(*canonical_rest_), g_.Byte('"')});
-      }
+      std::sort(except.begin(), except.end());
+      g_.AddAlternative(rules[n], {KeyDiverge(except)});
       if (!trie[n].terminal) g_.AddAlternative(rules[n], {g_.Byte('"')});
     }
     return g_.Choice("key", {{g_.Byte('"'), Grammar::Ref(rules[0])}});
@@ -1536,7 +1639,9 @@ class SchemaCompiler {
  private:
   const json& root_;
   Grammar& g_;
-  std::optional<uint32_t> string_rule_, number_rule_, any_rule_, canonical_rest_;
+  std::optional<uint32_t> string_rule_, number_rule_, any_rule_, key_tail_;
+  // KeyExcept's rules by the code points they exclude.
+  absl::flat_hash_map<std::vector<uint32_t>, uint32_t> key_diverge_, key_escapes_, key_non_ascii_;
   absl::flat_hash_map<std::string, uint32_t> refs_;
 };
 
