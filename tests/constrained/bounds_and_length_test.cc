@@ -17,71 +17,29 @@
 #include "coordinator/constrained/constraint.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
 using json = nlohmann::json;
 
-// Token id = byte + 1; 0 is EOS.
-std::shared_ptr<const TokenVocabulary> ByteVocab() {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};
-  for (int b = 0; b < 256; ++b) bytes.push_back(std::string(1, static_cast<char>(b)));
-  const int32_t eos[] = {0};
-  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
-
-// Accepted byte by byte and complete at the end.
-bool Accepts(const std::shared_ptr<const CompiledConstraint>& c, const std::string& text) {
-  TokenMatcher m(c);
-  for (char ch : text) {
-    if (!m.AcceptToken(static_cast<uint8_t>(ch) + 1).ok()) return false;
-  }
-  return m.IsComplete();
-}
+using test_util::Accepts;
+using test_util::ByteVocab;
+using test_util::CodePoints;
+using test_util::RandomByteWalks;
 
 // Random walks: random allowed bytes for a while, then by preference EOS,
-// closing[0], the other closing bytes in turn; `check` sees every output where EOS is allowed.
+// closing[0], the other closing bytes in turn (so no single byte loops),
+// else the first allowed token (EOS when nothing else is left); `check` sees
+// every output where EOS is allowed.
 template <typename Check>
 void Walks(const std::shared_ptr<const CompiledConstraint>& c, std::mt19937& g, const std::string& closing, int walks,
            Check check, bool eos_first = true) {
-  for (int n = 0; n < walks; ++n) {
-    TokenMatcher m(c);
-    std::vector<uint32_t> mask(m.mask_words());
-    std::string out;
-    const int random_steps = std::uniform_int_distribution<int>(0, 40)(g);
-    bool ended = false;
-    for (int step = 0; step < 300 && !ended; ++step) {
-      m.FillNextTokenMask(mask);
-      if (Bit(mask, 0)) check(out);
-      std::vector<int32_t> allowed;
-      for (int32_t id = 0; id <= 256; ++id) {
-        if (Bit(mask, id)) allowed.push_back(id);
-      }
-      ASSERT_FALSE(allowed.empty()) << "dead state after '" << out << "'";
-      int32_t pick = -1;
-      if (step < random_steps) {
-        pick = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(g)];
-      } else {
-        if (eos_first && Bit(mask, 0)) pick = 0;
-        // closing[0] first, then the others rotating (so no single byte loops).
-        for (size_t k = 0; pick < 0 && k < closing.size(); ++k) {
-          const char ch = k == 0 ? closing[0] : closing[1 + (step + k) % (closing.size() - 1)];
-          if (Bit(mask, static_cast<uint8_t>(ch) + 1)) pick = static_cast<uint8_t>(ch) + 1;
-        }
-        if (pick < 0) pick = allowed[0];  // EOS when nothing else is left
-      }
-      ASSERT_TRUE(m.AcceptToken(pick).ok());
-      if (pick == 0) {
-        ended = true;
-      } else {
-        out += static_cast<char>(pick - 1);
-      }
-    }
-    ASSERT_TRUE(ended) << "walk did not finish: " << out;
-  }
+  RandomByteWalks(c, g,
+                  {.max_random_steps = 40, .max_steps = 300, .closing = closing, .eos_first = eos_first,
+                   .rotate = true, .random_fallback = false},
+                  walks, check);
 }
 
 struct Bounds {
@@ -214,13 +172,6 @@ TEST(BoundsAndLengthTest, BoundsAreTheShortestDecimals) {
       {.kind = ConstraintKind::kJsonSchema, .text = R"({"type":"number","exclusiveMinimum":0,"exclusiveMaximum":1e-19})"},
       vocab);
   EXPECT_FALSE(none.ok());
-}
-
-// Code points of UTF-8.
-size_t CodePoints(const std::string& s) {
-  size_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
 }
 
 TEST(BoundsAndLengthTest, PatternWithLength) {

@@ -10,6 +10,7 @@
 #include "coordinator/constrained/constraint.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
@@ -18,11 +19,7 @@ using ::testing::HasSubstr;
 
 // A byte-complete vocabulary (every byte a token), so what a vocabulary can
 // write plays no part here (vocabulary_liveness_test covers that).
-std::shared_ptr<const TokenVocabulary> ByteVocab() {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};
-  for (int b = 0; b < 256; ++b) bytes.push_back(std::string(1, static_cast<char>(b)));
-  return *TokenVocabulary::FromBytes(std::move(bytes), std::vector<int32_t>{0});
-}
+using test_util::ByteVocab;
 
 absl::Status Compile(ConstraintKind kind, const std::string& text) {
   static auto vocab = ByteVocab();

@@ -13,7 +13,6 @@
 //  - at the Qwen3 vocabulary (build/demo-tokenizer; skipped without it) a
 //    json_object output replays with every mask == naive minus repeats;
 //  - the reported case: stories260K writing {" said, ": "...", " said, ": ..}.
-#include <filesystem>
 #include <optional>
 #include <random>
 #include <set>
@@ -27,15 +26,19 @@
 #include "coordinator/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "sharding/llama2c_tokenizer.h"
-#include "tests/testing/scratch_dir.h"
-#include "tests/testing/shared_data.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
 using json = nlohmann::json;
-constexpr int32_t kEos = 0;
+using test_util::Bit;
+using test_util::kEos;
+using test_util::LoadLlama2cTokenizer;
+using test_util::LoadQwen3Tokenizer;
+using test_util::NaiveMask;  // no key filter
+using test_util::RealTokenizer;
+using test_util::Rng;
 
 std::shared_ptr<const TokenVocabulary> Vocab() {
   std::vector<std::optional<std::string>> bytes = {std::nullopt};  // id 0: EOS
@@ -53,31 +56,12 @@ std::shared_ptr<const TokenVocabulary> Vocab() {
   return *TokenVocabulary::FromBytes(std::move(bytes), eos);
 }
 
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
-
 int32_t Id(const TokenVocabulary& v, std::string_view t) {
   for (int32_t id = 1; id < v.size(); ++id) {
     if (v.token_bytes(id) == t) return id;
   }
   ADD_FAILURE() << "no token '" << t << "'";
   return -1;
-}
-
-// The mask from a full trie walk over the replayed bytes (no cache, no key
-// filter).
-std::vector<uint32_t> NaiveMask(const GrammarConstraint& c, const std::string& prefix, bool complete) {
-  NodeArena arena(false), scratch(false);
-  std::vector<Stack> state, next;
-  c.pda().Initial(arena, state);
-  for (char ch : prefix) {
-    c.pda().Advance(state, static_cast<uint8_t>(ch), arena, next);
-    state.swap(next);
-  }
-  std::vector<uint32_t> mask(c.vocabulary().mask_words(), 0);
-  TrieWalkScratch walk;
-  MarkAcceptedTokens(c.pda(), c.bytes().trie(), state, scratch, walk, mask);
-  if (complete) mask[0] |= 1;
-  return mask;
 }
 
 // Whether a prefix of a JSON text has an object with two equal completed
@@ -183,11 +167,6 @@ struct UniqueKeysSax : nlohmann::json_sax<json> {
   bool start_array(std::size_t) override { return true; }
   bool end_array() override { return true; }
   bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override { return false; }
-};
-
-struct Rng {
-  std::mt19937 g;
-  int Rand(int n) { return std::uniform_int_distribution<int>(0, n - 1)(g); }
 };
 
 class DuplicateKeysTest : public ::testing::Test {
@@ -447,27 +426,23 @@ TEST_F(DuplicateKeysTest, RollbackRestoresKeys) {
 }
 
 TEST(DuplicateKeysQwen3Test, MaskIsNaiveMinusRepeats) {
-  const std::string dir = std::string(EXL3_SOURCE_DIR) + "/build/demo-tokenizer";
-  if (!std::filesystem::exists(dir + "/tokenizer.json")) {
-    GTEST_SKIP() << dir << " not found (scripts/fetch-demo-tokenizer.sh)";
-  }
-  auto tok = Tokenizer::Load(dir);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const int32_t eos = *(*tok)->TokenToId("<|im_end|>");
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 151936, std::vector<int32_t>{eos});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  auto compiled = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = R"({"type":"object"})"}, *vocab);
+  RealTokenizer qwen3;
+  if (!LoadQwen3Tokenizer(&qwen3)) return;  // skipped or failed
+  const auto& tok = qwen3.tok;
+  const int32_t eos = qwen3.eos;
+  const auto& vocab = qwen3.vocab;
+  auto compiled = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = R"({"type":"object"})"}, vocab);
   ASSERT_TRUE(compiled.ok()) << compiled.status();
   const auto& gc = static_cast<const GrammarConstraint&>(**compiled);
   // Only tokens with a '"' can complete a key: the oracle scans those.
   std::vector<int32_t> quoted;
-  for (int32_t id = 0; id < (*vocab)->size(); ++id) {
-    auto b = (*vocab)->token_bytes(id);
+  for (int32_t id = 0; id < vocab->size(); ++id) {
+    auto b = vocab->token_bytes(id);
     if (b && b->find('"') != std::string_view::npos) quoted.push_back(id);
   }
   const std::string text =
       R"({"said": "I'm sorry, Lily.", "said_again": 1, "sa": {"said": 2, "x": [{"said": 3}]}, "é": 4, "é2": 5})";
-  std::vector<int32_t> ids = (*tok)->Encode(text);
+  std::vector<int32_t> ids = tok->Encode(text);
   ids.push_back(eos);
   TokenMatcher m(*compiled);
   std::vector<uint32_t> mask(m.mask_words());
@@ -483,7 +458,7 @@ TEST(DuplicateKeysQwen3Test, MaskIsNaiveMinusRepeats) {
     MarkAcceptedTokens(gc.pda(), gc.bytes().trie(), state, scratch, walk, expected);
     if (m.IsComplete()) expected[eos >> 5] |= 1u << (eos & 31);
     for (int32_t q : quoted) {
-      if (Bit(expected, q) && PrefixKeyScan(out + std::string(*(*vocab)->token_bytes(q))).repeat()) {
+      if (Bit(expected, q) && PrefixKeyScan(out + std::string(*vocab->token_bytes(q))).repeat()) {
         expected[q >> 5] &= ~(1u << (q & 31));
         ++removed;
       }
@@ -491,7 +466,7 @@ TEST(DuplicateKeysQwen3Test, MaskIsNaiveMinusRepeats) {
     ASSERT_EQ(mask, expected) << "after '" << out << "'";
     ASSERT_TRUE(m.AcceptToken(id).ok()) << id;
     if (id == eos) break;
-    const std::string_view bytes = *(*vocab)->token_bytes(id);
+    const std::string_view bytes = *vocab->token_bytes(id);
     out += bytes;
     for (char c : bytes) {
       gc.pda().Advance(state, static_cast<uint8_t>(c), arena, next);
@@ -503,17 +478,11 @@ TEST(DuplicateKeysQwen3Test, MaskIsNaiveMinusRepeats) {
 }
 
 TEST(DuplicateKeysStoriesTest, SaidTwice) {
-  EXL3_REQUIRE_SHARED(bin, "models/stories260K/tok512.bin");
-  auto llama = sharding::ReadLlama2cTokenizer(bin, 512);
-  ASSERT_TRUE(llama.ok()) << llama.status();
-  testing::ScratchDir dir;
-  ASSERT_TRUE(sharding::WriteHfTokenizer(*llama, dir.path()).ok());
-  auto tok = Tokenizer::Load(dir.path());
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const int32_t eos = 2;
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 512, std::vector<int32_t>{eos});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  auto compiled = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = "{}"}, *vocab);
+  RealTokenizer stories;
+  if (!LoadLlama2cTokenizer("models/stories260K/tok512.bin", 512, &stories)) return;  // skipped or failed
+  const int32_t eos = stories.eos;  // 2
+  const auto& vocab = stories.vocab;
+  auto compiled = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = "{}"}, vocab);
   ASSERT_TRUE(compiled.ok()) << compiled.status();
   // Greedy longest-match ids, one string after another.
   auto accept = [&](TokenMatcher& m, std::string_view text) -> absl::Status {
@@ -521,7 +490,7 @@ TEST(DuplicateKeysStoriesTest, SaidTwice) {
       int32_t best = -1;
       size_t len = 0;
       for (int32_t id = 0; id < 512; ++id) {
-        auto b = (*vocab)->token_bytes(id);
+        auto b = vocab->token_bytes(id);
         if (b && b->size() > len && text.substr(at).starts_with(*b)) best = id, len = b->size();
       }
       if (best < 0) return absl::NotFoundError("no token");
@@ -539,7 +508,7 @@ TEST(DuplicateKeysStoriesTest, SaidTwice) {
   for (int32_t id = 0; id < 512; ++id) {
     if (!Bit(mask, id) || id == eos) continue;
     ++allowed;
-    EXPECT_FALSE(PrefixKeyScan(prefix + std::string(*(*vocab)->token_bytes(id))).repeat()) << id;
+    EXPECT_FALSE(PrefixKeyScan(prefix + std::string(*vocab->token_bytes(id))).repeat()) << id;
   }
   EXPECT_GT(allowed, 100);
   const absl::Status s = accept(m, R"( said, ")");

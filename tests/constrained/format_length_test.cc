@@ -5,7 +5,6 @@
 // bounds; candidates inside the formats' conservative subsets are accepted
 // exactly when their length fits; bounds no string of the format meets are
 // refused, naming the combination.
-#include <optional>
 #include <random>
 #include <regex>
 #include <string>
@@ -15,6 +14,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
@@ -22,29 +22,11 @@ namespace {
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-// Token id = byte + 1; 0 is EOS.
-std::shared_ptr<const TokenVocabulary> ByteVocab() {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};
-  for (int b = 0; b < 256; ++b) bytes.push_back(std::string(1, static_cast<char>(b)));
-  const int32_t eos[] = {0};
-  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
-
-bool Accepts(const std::shared_ptr<const CompiledConstraint>& c, const std::string& text) {
-  TokenMatcher m(c);
-  for (char ch : text) {
-    if (!m.AcceptToken(static_cast<uint8_t>(ch) + 1).ok()) return false;
-  }
-  return m.IsComplete();
-}
-
-size_t CodePoints(const std::string& s) {
-  size_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
-}
+using test_util::Accepts;
+using test_util::ByteVocab;
+using test_util::ByteWalkOptions;
+using test_util::CodePoints;
+using test_util::RandomByteWalks;
 
 // The formats' definitions (RFC 3339 dates with real month lengths, RFC 4122
 // uuids, dotted-quad ipv4, a loose email), written apart from the compiler's.
@@ -91,41 +73,9 @@ const std::vector<FormatCase>& Formats() {
   return *k;
 }
 
-// Random walks; every complete output is checked.
-template <typename Check>
-void Walks(const std::shared_ptr<const CompiledConstraint>& c, std::mt19937& g, int walks, Check check) {
-  for (int n = 0; n < walks; ++n) {
-    TokenMatcher m(c);
-    std::vector<uint32_t> mask(m.mask_words());
-    std::string out;
-    const int random_steps = std::uniform_int_distribution<int>(0, 80)(g);
-    bool ended = false;
-    for (int step = 0; step < 400 && !ended; ++step) {
-      m.FillNextTokenMask(mask);
-      if (Bit(mask, 0)) check(out);
-      std::vector<int32_t> allowed;
-      for (int32_t id = 0; id <= 256; ++id) {
-        if (Bit(mask, id)) allowed.push_back(id);
-      }
-      ASSERT_FALSE(allowed.empty()) << "dead state after '" << out << "'";
-      int32_t pick = -1;
-      if (step >= random_steps) {
-        for (char ch : std::string("\x01\"@Z.0a")) {
-          const int32_t id = ch == '\x01' ? 0 : static_cast<uint8_t>(ch) + 1;
-          if (pick < 0 && Bit(mask, id)) pick = id;
-        }
-      }
-      if (pick < 0) pick = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(g)];
-      ASSERT_TRUE(m.AcceptToken(pick).ok());
-      if (pick == 0) {
-        ended = true;
-      } else {
-        out += static_cast<char>(pick - 1);
-      }
-    }
-    ASSERT_TRUE(ended) << "walk did not finish: " << out;
-  }
-}
+// Random walks: random bytes for up to 80 steps, then EOS or these bytes in
+// order, else random.
+const ByteWalkOptions kWalks = {.max_random_steps = 80, .max_steps = 400, .closing = "\"@Z.0a"};
 
 TEST(FormatLengthTest, OutputsHaveTheFormatAndTheLength) {
   auto vocab = ByteVocab();
@@ -162,7 +112,7 @@ TEST(FormatLengthTest, OutputsHaveTheFormatAndTheLength) {
         EXPECT_EQ(Accepts(*c, json(m).dump()), n >= lo && (hi < 0 || n <= hi)) << m;
         ++candidates;
       }
-      Walks(*c, g, 40, [&](const std::string& out) {
+      RandomByteWalks(*c, g, kWalks, 40, [&](const std::string& out) {
         const json doc = json::parse(out, nullptr, false);
         ASSERT_TRUE(doc.is_string()) << "EOS allowed but not a JSON string: " << out;
         const std::string str = doc.get<std::string>();

@@ -20,16 +20,16 @@
 #include "coordinator/constrained/mask_cache.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
 using json = nlohmann::ordered_json;
-
-struct Rng {
-  std::mt19937 g;
-  int Rand(int n) { return std::uniform_int_distribution<int>(0, n - 1)(g); }
-};
+using test_util::Bit;
+using test_util::CodePoints;
+using test_util::NaiveMask;  // the cached mask's oracle
+using test_util::Rng;
 
 json GenSchema(Rng& r, int depth) {
   switch (r.Rand(depth > 0 ? 10 : 7)) {
@@ -92,12 +92,6 @@ bool IsDate(const std::string& s) {
   return m >= 1 && m <= 12 && d >= 1 && d <= kDays[m - 1];
 }
 
-size_t Utf8Length(const std::string& s) {
-  size_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
-}
-
 bool Valid(const json& v, const json& s) {
   if (s.contains("anyOf")) {
     for (const json& alt : s["anyOf"]) {
@@ -132,8 +126,8 @@ bool Valid(const json& v, const json& s) {
     }
     if (t == "string" && v.is_string()) {
       const std::string str = v;
-      if (s.contains("minLength") && Utf8Length(str) < s["minLength"].get<size_t>()) continue;
-      if (s.contains("maxLength") && Utf8Length(str) > s["maxLength"].get<size_t>()) continue;
+      if (s.contains("minLength") && CodePoints(str) < s["minLength"].get<size_t>()) continue;
+      if (s.contains("maxLength") && CodePoints(str) > s["maxLength"].get<size_t>()) continue;
       if (s.contains("pattern") &&
           (str.empty() || str.size() > 3 || str.find_first_not_of("abc") != std::string::npos)) {
         continue;
@@ -225,24 +219,6 @@ std::shared_ptr<const TokenVocabulary> Vocab() {
   }
   const int32_t eos[] = {0};
   return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
-
-// The mask from a full trie walk over the replayed bytes (no cache).
-std::vector<uint32_t> NaiveMask(const GrammarConstraint& c, const std::string& prefix, bool complete) {
-  NodeArena arena(false), scratch(false);
-  std::vector<Stack> state, next;
-  c.pda().Initial(arena, state);
-  for (char ch : prefix) {
-    c.pda().Advance(state, static_cast<uint8_t>(ch), arena, next);
-    state.swap(next);
-  }
-  std::vector<uint32_t> mask(c.vocabulary().mask_words(), 0);
-  TrieWalkScratch walk;
-  MarkAcceptedTokens(c.pda(), c.bytes().trie(), state, scratch, walk, mask);
-  if (complete) mask[0] |= 1;
-  return mask;
 }
 
 class JsonSchemaPropertyTest : public ::testing::Test {

@@ -25,11 +25,13 @@
 #include "coordinator/constrained/pda.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
 using json = nlohmann::ordered_json;
+using test_util::Bit;
 
 // ---- the test's own UTF-8 / JSON string checks (not utf8_ranges) -----------
 
@@ -157,8 +159,6 @@ std::shared_ptr<const TokenVocabulary> Vocab() {
   const int32_t eos[] = {0};
   return *TokenVocabulary::FromBytes(std::move(bytes), eos);
 }
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
 
 // ---- exhaustive key prefixes ------------------------------------------------
 

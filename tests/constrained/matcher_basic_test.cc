@@ -1,30 +1,25 @@
 // TokenMatcher over hand-written constraints and a small vocabulary: masks,
 // EOS only where complete, accept/reject, rollback, termination.
-#include <optional>
 #include <string>
 #include <vector>
 
 #include "coordinator/constrained/constraint.h"
 #include "gtest/gtest.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
-constexpr int32_t kEos = 0;
-
-std::shared_ptr<const TokenVocabulary> Vocab(const std::vector<std::string>& tokens) {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};  // id 0: EOS
-  for (const std::string& t : tokens) bytes.push_back(t);
-  const int32_t eos[] = {kEos};
-  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
+using test_util::Bit;
+using test_util::kEos;
+using test_util::TokenVocab;  // id 0: EOS, then the tokens
 
 std::vector<std::string> Allowed(TokenMatcher& m, const TokenVocabulary& v) {
   std::vector<uint32_t> mask(m.mask_words());
   m.FillNextTokenMask(mask);
   std::vector<std::string> out;
   for (int32_t id = 0; id < v.size(); ++id) {
-    if ((mask[id >> 5] >> (id & 31)) & 1) out.push_back(id == kEos ? "<eos>" : std::string(*v.token_bytes(id)));
+    if (Bit(mask, id)) out.push_back(id == kEos ? "<eos>" : std::string(*v.token_bytes(id)));
   }
   return out;
 }
@@ -37,7 +32,7 @@ int32_t Id(const TokenVocabulary& v, std::string_view t) {
 }
 
 TEST(MatcherBasicTest, ChoiceMasksPrefixesAndEosOnlyWhenComplete) {
-  auto v = Vocab({"a", "b", "ab", "abc", "c", "x", "abx"});
+  auto v = TokenVocab({"a", "b", "ab", "abc", "c", "x", "abx"});
   auto c = CompileConstraint({.kind = ConstraintKind::kChoice, .choices = {"ab", "abc"}}, v);
   ASSERT_TRUE(c.ok()) << c.status();
   TokenMatcher m(*c);
@@ -66,7 +61,7 @@ TEST(MatcherBasicTest, ChoiceMasksPrefixesAndEosOnlyWhenComplete) {
 TEST(MatcherBasicTest, RegexDigits) {
   // Every digit is a token too: a vocabulary restricts the output to the
   // characters it writes one by one (vocabulary_liveness_test).
-  auto v = Vocab({"1", "12", "a", "-", "-1", "123", "1a", "2", "3"});
+  auto v = TokenVocab({"1", "12", "a", "-", "-1", "123", "1a", "2", "3"});
   auto c = CompileConstraint({.kind = ConstraintKind::kRegex, .text = "-?[0-9]{1,3}"}, v);
   ASSERT_TRUE(c.ok()) << c.status();
   TokenMatcher m(*c);
@@ -76,7 +71,7 @@ TEST(MatcherBasicTest, RegexDigits) {
 }
 
 TEST(MatcherBasicTest, JsonSchemaObject) {
-  auto v = Vocab({"{", "}", "\"", "a", "\":", ":", " ", "1", ",", "\"a\"", "{\"", "\"b", "2", "x"});
+  auto v = TokenVocab({"{", "}", "\"", "a", "\":", ":", " ", "1", ",", "\"a\"", "{\"", "\"b", "2", "x"});
   auto c = CompileConstraint({.kind = ConstraintKind::kJsonSchema,
                               .text = R"({"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]})"},
                              v);
@@ -90,7 +85,7 @@ TEST(MatcherBasicTest, JsonSchemaObject) {
 }
 
 TEST(MatcherBasicTest, GrammarWithRecursion) {
-  auto v = Vocab({"(", ")", "()", "x", "(x", "))"});
+  auto v = TokenVocab({"(", ")", "()", "x", "(x", "))"});
   auto c = CompileConstraint({.kind = ConstraintKind::kGrammar, .text = "root ::= \"(\" root \")\" | \"x\""}, v);
   ASSERT_TRUE(c.ok()) << c.status();
   TokenMatcher m(*c);

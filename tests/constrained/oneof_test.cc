@@ -9,7 +9,6 @@
 // branches.
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <random>
 #include <regex>
 #include <set>
@@ -20,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
@@ -27,21 +27,11 @@ namespace {
 using json = nlohmann::json;
 using ::testing::HasSubstr;
 
-// Token id = byte + 1; 0 is EOS.
-std::shared_ptr<const TokenVocabulary> ByteVocab() {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};
-  for (int b = 0; b < 256; ++b) bytes.push_back(std::string(1, static_cast<char>(b)));
-  const int32_t eos[] = {0};
-  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
-
-size_t CodePoints(const std::string& s) {
-  size_t n = 0;
-  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
-  return n;
-}
+using test_util::Accepts;
+using test_util::ByteVocab;
+using test_util::ByteWalkOptions;
+using test_util::CodePoints;
+using test_util::RandomByteWalks;
 
 bool IsFormat(const std::string& format, const std::string& s) {
   static const std::regex kDate(R"(^(\d{4})-(\d{2})-(\d{2})$)");
@@ -176,55 +166,9 @@ class Validator {
   const json& root_;
 };
 
-// Accepted byte by byte and complete at the end.
-bool Accepts(const std::shared_ptr<const CompiledConstraint>& c, const std::string& text) {
-  TokenMatcher m(c);
-  for (char ch : text) {
-    if (!m.AcceptToken(static_cast<uint8_t>(ch) + 1).ok()) return false;
-  }
-  return m.IsComplete();
-}
-
-// Random walks over allowed bytes (random for a while, then EOS or closing
-// bytes by preference); `check` sees every output where EOS is allowed.
-template <typename Check>
-void Walks(const std::shared_ptr<const CompiledConstraint>& c, std::mt19937& g, int walks, Check check) {
-  const std::string closing = "\"}]0,:1a";
-  for (int n = 0; n < walks; ++n) {
-    TokenMatcher m(c);
-    std::vector<uint32_t> mask(m.mask_words());
-    std::string out;
-    const int random_steps = std::uniform_int_distribution<int>(0, 60)(g);
-    bool ended = false;
-    for (int step = 0; step < 600 && !ended; ++step) {
-      m.FillNextTokenMask(mask);
-      if (Bit(mask, 0)) check(out);
-      std::vector<int32_t> allowed;
-      for (int32_t id = 0; id <= 256; ++id) {
-        if (Bit(mask, id)) allowed.push_back(id);
-      }
-      ASSERT_FALSE(allowed.empty()) << "dead state after '" << out << "'";
-      int32_t pick = -1;
-      if (step < random_steps) {
-        pick = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(g)];
-      } else {
-        if (Bit(mask, 0)) pick = 0;
-        for (size_t k = 0; pick < 0 && k < closing.size(); ++k) {
-          const char ch = k == 0 ? closing[0] : closing[1 + (step + k) % (closing.size() - 1)];
-          if (Bit(mask, static_cast<uint8_t>(ch) + 1)) pick = static_cast<uint8_t>(ch) + 1;
-        }
-        if (pick < 0) pick = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(g)];
-      }
-      ASSERT_TRUE(m.AcceptToken(pick).ok());
-      if (pick == 0) {
-        ended = true;
-      } else {
-        out += static_cast<char>(pick - 1);
-      }
-    }
-    ASSERT_TRUE(ended) << "walk did not finish: " << out;
-  }
-}
+// Random walks: random bytes for up to 60 steps, then by preference EOS or
+// closing bytes ('"' first, the others rotating), else random.
+const ByteWalkOptions kWalks = {.max_random_steps = 60, .max_steps = 600, .closing = "\"}]0,:1a", .rotate = true};
 
 struct ExactCase {
   const char* name;
@@ -388,7 +332,7 @@ TEST_F(OneOfTest, EveryOutputMatchesExactlyOneBranch) {
       reach(json::parse(text));
     }
     for (const std::string& text : tc.refused) EXPECT_FALSE(Accepts(*c, text)) << text;
-    Walks(*c, g, 400, [&](const std::string& out) {
+    RandomByteWalks(*c, g, kWalks, 400, [&](const std::string& out) {
       const json doc = json::parse(out, nullptr, false);
       ASSERT_FALSE(doc.is_discarded()) << "EOS allowed but not JSON: " << out;
       ASSERT_TRUE(val.Valid(doc, schema)) << "EOS allowed but invalid: " << out;
@@ -475,7 +419,7 @@ TEST_F(OneOfTest, RandomOneOfsAreExactOrRefused) {
     }
     ++compiled;
     const Validator val(schema);
-    Walks(*c, g, 25, [&](const std::string& out) {
+    RandomByteWalks(*c, g, kWalks, 25, [&](const std::string& out) {
       const json doc = json::parse(out, nullptr, false);
       ASSERT_FALSE(doc.is_discarded()) << "EOS allowed but not JSON: " << out;
       ASSERT_EQ(val.Matches(doc, branches), 1) << out;

@@ -5,7 +5,6 @@
 // bytes follow the tokenizer (special ids and ids past it have none); JSON
 // documents encoded by the tokenizer replay token by token with the cached
 // mask equal to a naive trie walk at every step, ending in EOS.
-#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -15,14 +14,15 @@
 #include "coordinator/constrained/mask_cache.h"
 #include "coordinator/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
-#include "sharding/llama2c_tokenizer.h"
-#include "tests/testing/scratch_dir.h"
-#include "tests/testing/shared_data.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
+using test_util::Bit;
+using test_util::LoadLlama2cTokenizer;
+using test_util::LoadQwen3Tokenizer;
+using test_util::RealTokenizer;
 
 // Longest-match ids of `text` over the vocabulary's bytes. (SentencePiece's
 // Encode adds a dummy-prefix space at the start of a text, which an output
@@ -90,48 +90,39 @@ const char* kSchema =
     R"({"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer","minimum":0},"tags":{"type":"array","items":{"enum":["a","b c"]}}},"required":["name","age"]})";
 
 TEST(RealTokenizerTest, Stories260K) {
-  EXL3_REQUIRE_SHARED(bin, "models/stories260K/tok512.bin");
-  auto llama = sharding::ReadLlama2cTokenizer(bin, 512);
-  ASSERT_TRUE(llama.ok()) << llama.status();
-  testing::ScratchDir dir;
-  ASSERT_TRUE(sharding::WriteHfTokenizer(*llama, dir.path()).ok());
-  auto tok = Tokenizer::Load(dir.path());
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const int32_t eos = 2;
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 512, std::vector<int32_t>{eos});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
+  RealTokenizer stories;
+  if (!LoadLlama2cTokenizer("models/stories260K/tok512.bin", 512, &stories)) return;  // skipped or failed
+  const auto& tok = stories.tok;
+  const int32_t eos = stories.eos;  // 2
+  const auto& vocab = stories.vocab;
   for (int32_t id = 0; id < 512; ++id) {
-    if ((*tok)->IsSpecial(id) || id == eos) continue;
-    auto b = (*vocab)->token_bytes(id);
+    if (tok->IsSpecial(id) || id == eos) continue;
+    auto b = vocab->token_bytes(id);
     if (b.has_value()) {
-      EXPECT_EQ(std::string(*b), *(*tok)->TokenBytes(id)) << id;
+      EXPECT_EQ(std::string(*b), *tok->TokenBytes(id)) << id;
     }
   }
-  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
+  Replay(*tok, vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
          R"({"name": "Lily", "age": 3, "tags": ["b c", "a"]})", true);
-  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kRegex, .text = "Once upon a time, [a-z ]+\\."},
+  Replay(*tok, vocab, eos, {.kind = ConstraintKind::kRegex, .text = "Once upon a time, [a-z ]+\\."},
          "Once upon a time, there was a little girl.", true);
-  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = "{}"},
+  Replay(*tok, vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = "{}"},
          R"({"story": "Tom had a big red ball.\nHe was happy!", "n": [1, 2.5, -3e2, true, null]})", true);
 }
 
 TEST(RealTokenizerTest, Qwen3ByteLevelBpe) {
-  const std::string dir = std::string(EXL3_SOURCE_DIR) + "/build/demo-tokenizer";
-  if (!std::filesystem::exists(dir + "/tokenizer.json")) {
-    GTEST_SKIP() << dir << " not found (scripts/fetch-demo-tokenizer.sh)";
-  }
-  auto tok = Tokenizer::Load(dir);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const int32_t eos = *(*tok)->TokenToId("<|im_end|>");
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 151936, std::vector<int32_t>{eos});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  EXPECT_EQ((*vocab)->size(), 151936);
-  EXPECT_FALSE((*vocab)->token_bytes(eos).has_value());
-  EXPECT_FALSE((*vocab)->token_bytes(151935).has_value());  // past the tokenizer
-  EXPECT_FALSE((*vocab)->token_bytes(*(*tok)->TokenToId("<|im_start|>")).has_value());
-  EXPECT_EQ((*vocab)->token_bytes(*(*tok)->TokenToId("Ġthe")), " the");
-  EXPECT_FALSE(TokenVocabulary::FromTokenizer(**tok, 1000, std::vector<int32_t>{eos}).ok());
-  Replay(**tok, *vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
+  RealTokenizer qwen3;
+  if (!LoadQwen3Tokenizer(&qwen3)) return;  // skipped or failed
+  const auto& tok = qwen3.tok;
+  const int32_t eos = qwen3.eos;  // <|im_end|>
+  const auto& vocab = qwen3.vocab;
+  EXPECT_EQ(vocab->size(), 151936);
+  EXPECT_FALSE(vocab->token_bytes(eos).has_value());
+  EXPECT_FALSE(vocab->token_bytes(151935).has_value());  // past the tokenizer
+  EXPECT_FALSE(vocab->token_bytes(*tok->TokenToId("<|im_start|>")).has_value());
+  EXPECT_EQ(vocab->token_bytes(*tok->TokenToId("Ġthe")), " the");
+  EXPECT_FALSE(TokenVocabulary::FromTokenizer(*tok, 1000, std::vector<int32_t>{eos}).ok());
+  Replay(*tok, vocab, eos, {.kind = ConstraintKind::kJsonSchema, .text = kSchema},
          R"({"name": "Zoë \"Z\" Ōtani — 東京", "age": 41, "tags": ["a"]})");
 }
 

@@ -16,9 +16,12 @@
 
 #include "coordinator/constrained/constraint.h"
 #include "gtest/gtest.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
+
+using test_util::Bit;
 
 // ---- the oracle: regexes over bytes, derivatives ----------------------------
 // Nodes are hash-consed and alternations kept as sorted, duplicate-free
@@ -192,8 +195,6 @@ std::shared_ptr<const TokenVocabulary> RandomVocab(std::mt19937& rng, bool multi
   const int32_t eos[] = {0};
   return *TokenVocabulary::FromBytes(std::move(bytes), eos);
 }
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
 
 void CheckOne(uint32_t seed, bool multibyte) {
   std::mt19937 rng(seed);

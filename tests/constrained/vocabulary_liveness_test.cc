@@ -13,7 +13,6 @@
 // bytes leave the automaton alive, plus EOS where complete).
 #include <algorithm>
 #include <deque>
-#include <filesystem>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -29,23 +28,17 @@
 #include "coordinator/constrained/constraint.h"
 #include "coordinator/constrained/utf8_ranges.h"
 #include "coordinator/constrained/vocabulary.h"
-#include "coordinator/tokenizer/tokenizer.h"
 #include "gtest/gtest.h"
-#include "sharding/llama2c_tokenizer.h"
-#include "tests/testing/scratch_dir.h"
-#include "tests/testing/shared_data.h"
+#include "tests/constrained/constraint_test_util.h"
 
 namespace exl3serve::coordinator::constrained {
 namespace {
 
-constexpr int32_t kEos = 0;
-
-std::shared_ptr<const TokenVocabulary> Vocab(const std::vector<std::string>& tokens) {
-  std::vector<std::optional<std::string>> bytes = {std::nullopt};  // id 0: EOS
-  for (const std::string& t : tokens) bytes.push_back(t);
-  const int32_t eos[] = {kEos};
-  return *TokenVocabulary::FromBytes(std::move(bytes), eos);
-}
+using test_util::Bit;
+using test_util::LoadLlama2cTokenizer;
+using test_util::LoadQwen3Tokenizer;
+using test_util::RealTokenizer;
+using test_util::TokenVocab;  // id 0: EOS, then the tokens
 
 // Single-character tokens of `chars` (UTF-8) plus `extra`.
 std::shared_ptr<const TokenVocabulary> CharVocab(std::string_view chars, std::vector<std::string> extra = {}) {
@@ -57,15 +50,13 @@ std::shared_ptr<const TokenVocabulary> CharVocab(std::string_view chars, std::ve
     tokens.emplace_back(chars.substr(start, at - start));
   }
   tokens.insert(tokens.end(), extra.begin(), extra.end());
-  return Vocab(tokens);
+  return TokenVocab(tokens);
 }
 
 constexpr std::string_view kAsciiLetters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ";
 // Enough for JSON (no byte fallback, no '\t' and no '#').
 constexpr std::string_view kJsonChars =
     "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 {}[]\":,.-+\\/é";
-
-bool Bit(const std::vector<uint32_t>& m, int32_t id) { return (m[id >> 5] >> (id & 31)) & 1; }
 
 // ---- the checker: the automaton over tokens ---------------------------------
 
@@ -432,7 +423,7 @@ TEST(VocabularyLivenessTest, RandomVocabulariesNeverStuck) {
       if (coin(20) && t.size() > 1) t = t.substr(1 + rng() % (t.size() - 1));  // may start inside one
       tokens.push_back(t);
     }
-    auto v = Vocab(tokens);
+    auto v = TokenVocab(tokens);
     std::vector<ConstraintSpec> specs = fixed;
     ConstraintSpec choice = {.kind = ConstraintKind::kChoice};
     for (int k = 0; k < 3; ++k) {
@@ -467,17 +458,10 @@ TEST(VocabularyLivenessTest, RandomVocabulariesNeverStuck) {
 // ---- BabyLlama: 105 characters, no byte fallback -----------------------------
 
 TEST(VocabularyLivenessTest, BabyLlama) {
-  EXL3_REQUIRE_SHARED(bin, "models/babyllama-tok105/tok105.bin");
-  auto llama = sharding::ReadLlama2cTokenizer(bin, 105);
-  ASSERT_TRUE(llama.ok()) << llama.status();
-  testing::ScratchDir dir;
-  ASSERT_TRUE(sharding::WriteHfTokenizer(*llama, dir.path()).ok());
-  auto tok = Tokenizer::Load(dir.path());
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  const int32_t eos = 2;
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 105, std::vector<int32_t>{eos});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  const ByteVocabulary& bv = AsByteVocabulary(**vocab);
+  RealTokenizer baby;
+  if (!LoadLlama2cTokenizer("models/babyllama-tok105/tok105.bin", 105, &baby)) return;  // skipped or failed
+  const auto& vocab = baby.vocab;  // EOS 2
+  const ByteVocabulary& bv = AsByteVocabulary(*vocab);
   ASSERT_FALSE(bv.byte_complete());
   const CodePointSet& w = *bv.writable_chars();
   for (uint32_t cp : {uint32_t{'a'}, uint32_t{' '}, uint32_t{'"'}, uint32_t{'['}, uint32_t{0xE9}, uint32_t{0x2019}}) {
@@ -486,7 +470,7 @@ TEST(VocabularyLivenessTest, BabyLlama) {
   for (uint32_t cp : {uint32_t{'{'}, uint32_t{'#'}, uint32_t{0xFC}, uint32_t{'\n'}}) EXPECT_FALSE(ContainsCodePoint(w, cp)) << cp;
 
   auto choice = CompileConstraint(
-      {.kind = ConstraintKind::kChoice, .choices = {"New York", "Zürich", "San Francisco"}}, *vocab);
+      {.kind = ConstraintKind::kChoice, .choices = {"New York", "Zürich", "San Francisco"}}, vocab);
   ASSERT_TRUE(choice.ok()) << choice.status();
   Checker ck(**choice);
   bool closed = false;
@@ -496,7 +480,7 @@ TEST(VocabularyLivenessTest, BabyLlama) {
   {
     // Control: without the restriction the checker finds the dead end "Z".
     const ConstraintSpec spec = {.kind = ConstraintKind::kChoice, .choices = {"New York", "Zürich", "San Francisco"}};
-    auto unrestricted = std::make_shared<const GrammarConstraint>(spec, *vocab, *BuildConstraintGrammar(spec, nullptr));
+    auto unrestricted = std::make_shared<const GrammarConstraint>(spec, vocab, *BuildConstraintGrammar(spec, nullptr));
     Checker control(*unrestricted);
     const auto result = control.AllReachableCompletable(100000);
     EXPECT_FALSE(result);
@@ -510,41 +494,28 @@ TEST(VocabularyLivenessTest, BabyLlama) {
            R"({"anyOf":[{"type":"object"},{"type":"array","items":{"type":"string","format":"email"}}]})",
        }) {
     SCOPED_TRACE(schema);
-    auto c = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = schema}, *vocab);
+    auto c = CompileConstraint({.kind = ConstraintKind::kJsonSchema, .text = schema}, vocab);
     ASSERT_TRUE(c.ok()) << c.status();
     RandomWalks(*c, 19, 25, 60);
   }
-  EXPECT_EQ(ErrorOf({.kind = ConstraintKind::kJsonSchema, .text = R"({"type":"object"})"}, *vocab),
+  EXPECT_EQ(ErrorOf({.kind = ConstraintKind::kJsonSchema, .text = R"({"type":"object"})"}, vocab),
             "INVALID_ARGUMENT: json_schema: no output of this constraint can be written with the model's "
             "vocabulary (e.g. '{' is not in it)");
-  EXPECT_EQ(ErrorOf({.kind = ConstraintKind::kChoice, .choices = {"Zürich"}}, *vocab),
+  EXPECT_EQ(ErrorOf({.kind = ConstraintKind::kChoice, .choices = {"Zürich"}}, vocab),
             "INVALID_ARGUMENT: choice: no output of this constraint can be written with the model's vocabulary "
             "(e.g. 'ü' (U+00FC) is not in it)");
 }
 
 TEST(VocabularyLivenessTest, Stories260KIsByteComplete) {
-  EXL3_REQUIRE_SHARED(bin, "models/stories260K/tok512.bin");
-  auto llama = sharding::ReadLlama2cTokenizer(bin, 512);
-  ASSERT_TRUE(llama.ok()) << llama.status();
-  testing::ScratchDir dir;
-  ASSERT_TRUE(sharding::WriteHfTokenizer(*llama, dir.path()).ok());
-  auto tok = Tokenizer::Load(dir.path());
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 512, std::vector<int32_t>{2});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  EXPECT_TRUE(AsByteVocabulary(**vocab).byte_complete());
+  RealTokenizer stories;
+  if (!LoadLlama2cTokenizer("models/stories260K/tok512.bin", 512, &stories)) return;  // skipped or failed
+  EXPECT_TRUE(AsByteVocabulary(*stories.vocab).byte_complete());
 }
 
 TEST(VocabularyLivenessTest, Qwen3IsByteComplete) {
-  const std::string dir = std::string(EXL3_SOURCE_DIR) + "/build/demo-tokenizer";
-  if (!std::filesystem::exists(dir + "/tokenizer.json")) {
-    GTEST_SKIP() << dir << " not found (scripts/fetch-demo-tokenizer.sh)";
-  }
-  auto tok = Tokenizer::Load(dir);
-  ASSERT_TRUE(tok.ok()) << tok.status();
-  auto vocab = TokenVocabulary::FromTokenizer(**tok, 151936, std::vector<int32_t>{*(*tok)->TokenToId("<|im_end|>")});
-  ASSERT_TRUE(vocab.ok()) << vocab.status();
-  EXPECT_TRUE(AsByteVocabulary(**vocab).byte_complete());
+  RealTokenizer qwen3;
+  if (!LoadQwen3Tokenizer(&qwen3)) return;  // skipped or failed
+  EXPECT_TRUE(AsByteVocabulary(*qwen3.vocab).byte_complete());
 }
 
 }  // namespace
