@@ -7,65 +7,95 @@
 namespace exl3serve::coordinator {
 
 DraftGovernor::DraftGovernor(const DraftGovernorOptions& options) : options_(options) {
-  EXL3_CHECK(options_.probe >= 1 && options_.period > options_.probe);
-  EXL3_CHECK(options_.probe_drafting >= 1 && options_.period > options_.probe_drafting);
+  EXL3_CHECK(options_.probe >= 1 && options_.probe_drafting >= 1);
+  EXL3_CHECK(options_.period >= 2 * std::max(options_.probe, options_.probe_drafting));
   EXL3_CHECK(options_.alpha > 0 && options_.alpha <= 1);
   EXL3_CHECK(options_.min_samples >= 1);
   EXL3_CHECK(options_.max_probe_backoff >= 1);
   EXL3_CHECK(options_.clear_loss > 1);
+  StartPeriod();
 }
 
 int DraftGovernor::ProbeSteps() const {
   if (choice_) return options_.probe;
-  const bool clear_loss = on_ && off_ && *on_ > options_.clear_loss * *off_;
-  return clear_loss ? options_.probe : options_.probe_drafting;
+  return ratio_ && *ratio_ > options_.clear_loss ? options_.probe : options_.probe_drafting;
+}
+
+void DraftGovernor::ResetSamples() {
+  for (int k = 0; k < 2; ++k) {
+    seconds_[k] = 0;
+    tokens_[k] = 0;
+    samples_[k] = 0;
+  }
+}
+
+void DraftGovernor::StartPeriod() {
+  step_in_period_ = 0;
+  window_confirms_off_ = false;
+  switched_ = false;
+  window_ = probe_period_ ? 2 * ProbeSteps() : 0;
+  if (window_ > 0) {
+    ResetSamples();
+    skip_first_drafted_ = !choice_;
+  }
 }
 
 bool DraftGovernor::AllowDrafts() const {
-  const bool probing = probe_period_ && step_in_period_ < ProbeSteps();
+  // In the window, even steps run the mode that is not the choice.
+  const bool probing = step_in_period_ < window_ && step_in_period_ % 2 == 0;
   return probing ? !choice_ : choice_;
+}
+
+bool DraftGovernor::Decide() {
+  if (samples_[0] < options_.min_samples || samples_[1] < options_.min_samples) return false;
+  const double plain = seconds_[0] / static_cast<double>(tokens_[0]);
+  const double drafted = seconds_[1] / static_cast<double>(tokens_[1]);
+  const double ratio = plain > 0 ? drafted / plain : 1.0;
+  last_ratio_ = ratio;
+  ratio_ = ratio_ ? options_.alpha * ratio + (1 - options_.alpha) * *ratio_ : ratio;
+  ResetSamples();
+  ++decisions_;
+  const bool pays = *ratio_ < options_.margin;
+  if (pays != choice_) {
+    choice_ = pays;
+    switched_ = true;
+    ++switches_;
+    EXL3_LOG(kInfo) << "speculative decoding " << (pays ? "on" : "off") << ": drafting steps cost "
+                    << *ratio_ << "x plain steps per token";
+  }
+  return true;
 }
 
 void DraftGovernor::Observe(const DraftStepCost& step) {
   if (!step.decode_only || step.tokens <= 0 || step.seconds < 0) return;
-  const int mode = step.drafts_allowed ? 1 : 0;
-  period_seconds_[mode] += step.seconds;
-  period_tokens_[mode] += step.tokens;
-  ++(step.drafts_allowed ? on_samples_ : off_samples_);
-  if (++step_in_period_ < options_.period) return;
-  step_in_period_ = 0;
-  for (int m = 0; m < 2; ++m) {
-    if (period_tokens_[m] > 0) {
-      const double per_token = period_seconds_[m] / static_cast<double>(period_tokens_[m]);
-      std::optional<double>& mean = m == 1 ? on_ : off_;
-      mean = mean ? options_.alpha * per_token + (1 - options_.alpha) * *mean : per_token;
-    }
-    period_seconds_[m] = 0;
-    period_tokens_[m] = 0;
+  const int kind = step.drafts_allowed && step.drafted ? 1 : 0;
+  if (kind == 1 && skip_first_drafted_) {
+    skip_first_drafted_ = false;  // the catch-up step: not a steady cost
+  } else {
+    seconds_[kind] += step.seconds;
+    tokens_[kind] += step.tokens;
+    ++samples_[kind];
   }
-  bool switched = false;
-  if (on_samples_ >= options_.min_samples && off_samples_ >= options_.min_samples) {
-    const bool pays = *on_ < options_.margin * *off_;
-    if (pays != choice_) {
-      choice_ = pays;
-      switched = true;
-      ++switches_;
-      EXL3_LOG(kInfo) << "speculative decoding " << (pays ? "on" : "off") << ": "
-                      << *on_ * 1e3 << " ms per token with drafts, " << *off_ * 1e3
-                      << " ms without";
-    }
+  ++step_in_period_;
+  if (step_in_period_ == window_) {
+    window_confirms_off_ = Decide() && !choice_ && last_ratio_ >= options_.margin;
   }
+  if (step_in_period_ < options_.period) return;
+  Decide();
   // The next period's probe (see the header: backoff while off).
-  if (choice_ || switched) {
+  if (choice_ || switched_) {
     backoff_ = 1;
     skip_ = 0;
-  } else if (probe_period_) {
+  } else if (probe_period_ && window_confirms_off_) {
     backoff_ = std::min(2 * backoff_, options_.max_probe_backoff);
     skip_ = backoff_ - 1;
+  } else if (probe_period_) {
+    skip_ = 0;  // the window said nothing, or that drafting may pay: probe again
   } else {
     --skip_;
   }
   probe_period_ = skip_ == 0;
+  StartPeriod();
 }
 
 }  // namespace exl3serve::coordinator

@@ -4,39 +4,67 @@
 // the kernels make it cost (on a CPU a dense fp32 linear costs ~k times a
 // decode row; a 16-bit head re-reads its weights every 4 rows), and a draft
 // model costs its own forwards. So the engine times its decode steps and
-// compares seconds per generated token with drafts allowed and without.
+// compares seconds per generated token of steps that drafted and of steps
+// that did not.
 //
 //   DraftGovernor governor;
-//   bool draft = governor.AllowDrafts();          // before proposing drafts
+//   bool allow = governor.AllowDrafts();          // before proposing drafts
 //   ... the step runs ...
-//   governor.Observe({.drafts_allowed = draft, .decode_only = ..., .seconds = t, .tokens = n});
+//   governor.Observe({.drafts_allowed = allow, .drafted = any_entry_drafted,
+//                     .decode_only = ..., .seconds = t, .tokens = n});
 //
-// Rule: the steps come in periods of `period` (64) decode-only steps; the
-// first steps of a period run the mode that is not the current choice (a
-// probe: `probe` (8) plain steps while drafting is on, `probe_drafting`
-// (32) drafting steps while it is off — drafting's gain is bursty, so a
-// short probe of it would mostly miss it), the rest the choice. A period sums each mode's seconds
-// and tokens (a ratio of sums: drafting pays in bursts — only steps whose
-// sequences have a draft gain anything — so a mean of per-step ratios over
-// a few steps would mostly see the steps between bursts); at its end each
-// mode's seconds per token enters an exponential moving average over periods
-// (weight `alpha` 0.5), and the choice becomes drafts iff the drafting
-// average is below `margin` (0.97) times the plain one — so drafting that
-// does not pay costs at most the probe share (1/8) of the steps, and
-// drafting that pays keeps ~7/8 of its gain. Until both modes have
-// `min_samples` (4) timed steps the choice stays "drafts" (the default the
-// operator asked for). While drafting stays off, its probes back off: after
-// each period that confirms "off" the next probe comes twice as many periods
-// later, up to every `max_probe_backoff` (16) periods — a probe of a draft
-// model costs its catch-up and k forwards per sequence, so a probe every
-// period would cost ~1/8 of the plain speed where drafting never pays. Any
-// switch, and every period while drafting is on, probes the next period.
-// A probe of drafting is long (32 steps) only while the loss is small: when
-// drafting costs more than `clear_loss` (1.25) times plain per token, a
-// burst could not hide it (a draft model that loses loses at every step),
-// so the probe is `probe` (8) steps — a quarter of a long probe's cost.
-// Steps with a prefill chunk (decode_only false) are not timed and do not
-// advance the period: their cost is the prompt's.
+// Like with like. A step's cost depends on far more than drafting: the
+// batch size, the context length (attention grows with every token: at 8
+// streams a plain step of stories260K costs 1.0 ms at the start of the
+// requests and 2.3 ms 256 tokens later), a server's first steps (cold
+// caches). Comparing drafting measured at one time with plain decoding
+// measured at another (the design before this one: a probe of 8 plain steps
+// at the start of a period, drafting for the rest; averages per mode over
+// periods) therefore decided on those differences — a losing draft model
+// was kept on for two periods because the first plain probe ran cold, and
+// cost 7-12 %. So:
+//   - Samples are classified by what the step did, not by what it was
+//     allowed: a step allowed to draft whose sequences proposed nothing
+//     (no n-gram match, every draft window at 0) costs exactly a plain
+//     step and is a plain sample. Drafting can only win or lose on steps
+//     that draft, so "seconds per token of drafting steps / of plain steps"
+//     is the ratio that decides, and with n-gram drafts both kinds of step
+//     come interleaved by themselves.
+//   - Probes interleave: each period of `period` (64) decode-only steps
+//     starts with a probe window whose even steps run the mode that is not
+//     the current choice and whose odd steps run the choice — while drafting
+//     is on, `probe` (8) plain steps among 8 drafting ones; while it is off,
+//     `probe_drafting` (32) drafting-allowed steps among plain ones (8 once
+//     the ratio is above `clear_loss` (1.25): a draft model that loses,
+//     loses at every step, while n-gram gains come in bursts a short probe
+//     would mostly miss). Adjacent steps share batch, context and caches.
+//   - A decision needs `min_samples` (4) of each kind since the last
+//     decision or the window's start (samples never span a window start, so
+//     the two kinds are always measured together); it is taken at the end
+//     of the window and again at the end of the period (n-gram's natural
+//     plain steps). Each decision's ratio of sums (seconds / tokens of each
+//     kind: gains come in bursts, a mean of per-step ratios would mostly see
+//     the steps between bursts) enters an exponential moving average
+//     (weight `alpha` 0.5), and the choice becomes drafts iff that average
+//     is below `margin` (0.97).
+//   - The first drafted step of a window while drafting is off is not
+//     sampled: a draft model then catches up the tokens it missed (a whole
+//     sequence's prefill), a one-time cost of turning drafting on, not a
+//     steady one.
+//   - While drafting stays off, probes back off: after each window whose
+//     own ratio confirms "off" the next probe comes twice as many periods
+//     later, up to every `max_probe_backoff` (16) periods; a window without
+//     enough samples (nothing drafted: it cost nothing), or whose ratio says
+//     drafting pays while the average does not yet, probes again the next
+//     period (so a change is confirmed within a few periods, not backoffs). Any switch, and every period while drafting is on, probes
+//     the next period. Until the first decision the choice is "drafts" (the
+//     default the operator asked for); the first window decides after 16
+//     steps.
+// So drafting that does not pay costs its share of probes (a draft model
+// at 2x plain per token: 8 drafting steps every 16 periods of 64), and
+// drafting that pays keeps ~7/8 of its gain. Steps with a prefill chunk
+// (decode_only false) are not timed and do not advance the period: their
+// cost is the prompt's.
 //
 // Thread safety: thread-compatible (the engine's scheduler thread owns it).
 #ifndef EXL3SERVE_COORDINATOR_DRAFT_GOVERNOR_H_
@@ -48,18 +76,19 @@
 namespace exl3serve::coordinator {
 
 struct DraftGovernorOptions {
-  int period = 64;        // decode-only steps per decision, > both probes
-  int probe = 8;           // plain steps per period while drafting is on, >= 1
-  int probe_drafting = 32;  // drafting steps per probe while it is off, >= 1
-  double alpha = 0.5;     // EMA weight of a new period, (0, 1]
-  double margin = 0.97;   // drafting must be this much cheaper per token
-  int min_samples = 4;    // observations of each mode before deciding
+  int period = 64;          // decode-only steps per period, >= 2 * max(probe, probe_drafting)
+  int probe = 8;            // plain steps per window while drafting is on, >= 1
+  int probe_drafting = 32;  // drafting-allowed steps per window while it is off, >= 1
+  double alpha = 0.5;       // EMA weight of a new decision's ratio, (0, 1]
+  double margin = 0.97;     // drafting must be this much cheaper per token
+  int min_samples = 4;      // steps of each kind a decision needs, >= 1
   int max_probe_backoff = 16;  // periods between probes while off, at most (>= 1)
-  double clear_loss = 1.25;    // drafting/plain cost per token above this: short probes (> 1)
+  double clear_loss = 1.25;    // ratio above this: short probes of drafting (> 1)
 };
 
 struct DraftStepCost {
   bool drafts_allowed = false;  // what AllowDrafts said for this step
+  bool drafted = false;         // some entry carried draft tokens (implies allowed)
   bool decode_only = false;     // every entry decoded (no prefill chunk)
   double seconds = 0;           // the step's wall time, drafting included
   int64_t tokens = 0;           // tokens the step generated (runs included)
@@ -74,27 +103,38 @@ class DraftGovernor {
   bool AllowDrafts() const;
   void Observe(const DraftStepCost& step);
 
-  // The current choice (what the non-probe steps of a period run).
+  // The current choice (what the steps outside probe windows run).
   bool choice() const { return choice_; }
-  // Seconds per token of each mode (nullopt before its first period).
-  std::optional<double> drafting_seconds_per_token() const { return on_; }
-  std::optional<double> plain_seconds_per_token() const { return off_; }
-  // Decisions that turned drafting off / on again (for logs and tests).
+  // Seconds per token of drafting steps / of plain steps, averaged over
+  // decisions (nullopt before the first).
+  std::optional<double> drafting_cost_ratio() const { return ratio_; }
+  // Decisions taken, and those that turned drafting off / on again.
+  uint64_t decisions() const { return decisions_; }
   uint64_t switches() const { return switches_; }
 
  private:
-  // Steps of the probe in a probe period (the mode that is not the choice).
+  // Drafting-allowed (choice off) or plain (choice on) steps of a window.
   int ProbeSteps() const;
+  // Starts a period: its window (if it probes) and a fresh sample window.
+  void StartPeriod();
+  // Takes a decision if both kinds have min_samples; true if it did.
+  bool Decide();
+  void ResetSamples();
 
   const DraftGovernorOptions options_;
   bool choice_ = true;
   int step_in_period_ = 0;
-  std::optional<double> on_, off_;  // seconds per token, averaged over periods
-  double period_seconds_[2] = {0, 0};  // [plain, drafting] in this period
-  int64_t period_tokens_[2] = {0, 0};
-  int on_samples_ = 0, off_samples_ = 0;
-  uint64_t switches_ = 0;
-  bool probe_period_ = true;  // this period starts with a probe
+  int window_ = 0;  // probe window length of this period (0: no probe)
+  std::optional<double> ratio_;
+  double seconds_[2] = {0, 0};  // [plain, drafted] since the last decision / window start
+  int64_t tokens_[2] = {0, 0};
+  int samples_[2] = {0, 0};
+  bool skip_first_drafted_ = false;  // a window while off: its catch-up step
+  bool window_confirms_off_ = false;  // this period's window measured a loss
+  double last_ratio_ = 0;            // the last decision's own ratio
+  bool switched_ = false;            // a switch in this period
+  uint64_t decisions_ = 0, switches_ = 0;
+  bool probe_period_ = true;  // this period starts with a probe window
   int backoff_ = 1;           // periods from one probe of drafting to the next
   int skip_ = 0;              // periods left without a probe
 };

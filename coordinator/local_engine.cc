@@ -896,7 +896,7 @@ void LocalEngine::Step() {
     }
   }
   if (drafting_ && options_.draft_governor) {
-    DraftStepCost cost{.drafts_allowed = drafts_allowed, .decode_only = true};
+    DraftStepCost cost{.drafts_allowed = drafts_allowed, .drafted = any_draft, .decode_only = true};
     for (size_t i = 0; i < out.batch.size(); ++i) {
       const ScheduledChunk& c = out.batch[i];
       if (!c.needs_logits || static_cast<int64_t>(c.tokens.size()) - c.num_draft != 1) {

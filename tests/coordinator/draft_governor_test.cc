@@ -1,9 +1,12 @@
 // DraftGovernor on synthetic step costs: it keeps drafting where drafting
-// costs less per token, turns it off where it costs more (within one period
-// after the evidence), turns it on again when the costs change, counts gains
-// that come in bursts (a ratio of sums per period), probes the other mode
-// for exactly `probe` steps of every period, and ignores steps with prefill
-// chunks.
+// steps cost less per token than plain ones, turns it off where they cost
+// more (at the end of the window that shows it), turns it on again when the
+// costs change, counts gains that come in bursts (a ratio of sums), probes
+// in interleaved windows of exactly `probe` / `probe_drafting` steps that
+// back off while drafting loses, compares like with like (a cost that
+// drifts over time, as attention does with context, decides nothing),
+// classifies steps by what they did (allowed but nothing drafted = plain),
+// skips a window's catch-up step, and ignores steps with prefill chunks.
 #include "coordinator/draft_governor.h"
 
 #include <random>
@@ -13,11 +16,11 @@
 namespace exl3serve::coordinator {
 namespace {
 
-// Runs `steps` decode-only steps: a step with drafts allowed costs
-// `on_cost` per token, without `off_cost` (± `jitter` noise, 5 %). Returns
-// the steps that drafted.
+// Runs `steps` decode-only steps: a step with drafts allowed drafts and
+// costs `on_cost` per token, without `off_cost` (± `jitter` noise, 5 %).
+// Returns the steps that drafted.
 int RunSteps(DraftGovernor& g, int steps, double on_cost, double off_cost, std::mt19937& rng,
-        double jitter = 0.05) {
+             double jitter = 0.05) {
   std::uniform_real_distribution<double> noise(1 - jitter, 1 + jitter);
   int drafted = 0;
   for (int i = 0; i < steps; ++i) {
@@ -25,6 +28,7 @@ int RunSteps(DraftGovernor& g, int steps, double on_cost, double off_cost, std::
     drafted += on;
     const int64_t tokens = on ? 12 : 8;
     g.Observe({.drafts_allowed = on,
+               .drafted = on,
                .decode_only = true,
                .seconds = (on ? on_cost : off_cost) * tokens * noise(rng),
                .tokens = tokens});
@@ -35,22 +39,33 @@ int RunSteps(DraftGovernor& g, int steps, double on_cost, double off_cost, std::
 TEST(DraftGovernorTest, KeepsDraftsThatPayAndDropsThoseThatDoNot) {
   std::mt19937 rng(3);
   DraftGovernor g;  // period 64, probe 8
-  // Drafting halves the cost per token: it stays on, off only for probes.
+  // Drafting halves the cost per token: it stays on, off only for the 8
+  // interleaved plain steps of each period's window.
   EXPECT_EQ(RunSteps(g, 640, 0.5e-3, 1e-3, rng), 640 - 10 * 8);
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 0u);
-  // The costs turn (say the text stopped repeating): off within a period
-  // of the evidence, then drafting only in the probes, which back off: the
+  // The costs turn (say the text stopped repeating): off at the end of the
+  // next window, then drafting only in the probes, which back off: the
   // periods after the switch probe at 1, 2, 4, 8, 16, 16, ... periods.
-  RunSteps(g, 128, 2e-3, 1e-3, rng);
+  RunSteps(g, 64 + 16, 3e-3, 1e-3, rng);
   EXPECT_FALSE(g.choice());
-  const int probed = RunSteps(g, 64 * 64, 2e-3, 1e-3, rng);
-  EXPECT_GE(probed, 5 * 8);  // a clear loss (2x): probes of drafting are 8 steps
+  const int probed = RunSteps(g, 64 * 64, 3e-3, 1e-3, rng);
+  EXPECT_GE(probed, 5 * 8);  // a clear loss (3x): probes of drafting are 8 steps
   EXPECT_LE(probed, 8 * 8);  // vs 64 * 8 with a probe every period
   // And back on when drafting pays again (by the second probe at the latest).
   RunSteps(g, 64 * 33, 0.4e-3, 1e-3, rng);
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 2u);
+}
+
+TEST(DraftGovernorTest, ALosingDraftSourceIsOffAfterTheFirstWindow) {
+  // The first window (8 drafting steps among 8 plain ones) decides: a draft
+  // model at 2x plain per token drafts 8 steps, not a period.
+  std::mt19937 rng(13);
+  DraftGovernor g;
+  EXPECT_EQ(RunSteps(g, 16, 2e-3, 1e-3, rng), 8);
+  EXPECT_FALSE(g.choice());
+  EXPECT_EQ(g.decisions(), 1u);
 }
 
 TEST(DraftGovernorTest, ProbesAreLongOnlyWhileTheLossIsSmall) {
@@ -63,7 +78,8 @@ TEST(DraftGovernorTest, ProbesAreLongOnlyWhileTheLossIsSmall) {
     ASSERT_FALSE(g.choice()) << loss;
     const int probe = loss < 1.25 ? 32 : 8;
     // Periods after the switch probe at 1, 2, 4, 8, 16, 16, ... periods:
-    // every drafting step of the next 64 periods belongs to one of 7 probes.
+    // every drafting step of the next 64 periods belongs to one of 5-8
+    // probes (where the 128 steps above ended within a period decides).
     const int probed = RunSteps(g, 64 * 64, loss * 1e-3, 1e-3, rng, /*jitter=*/0.01);
     EXPECT_EQ(probed % probe, 0) << loss;
     EXPECT_GE(probed, 5 * probe) << loss;
@@ -71,24 +87,107 @@ TEST(DraftGovernorTest, ProbesAreLongOnlyWhileTheLossIsSmall) {
   }
 }
 
+TEST(DraftGovernorTest, ProbeWindowsInterleaveTheModes) {
+  // While on: the window's even steps are plain, its odd ones drafting.
+  DraftGovernor g;
+  std::string modes;
+  for (int i = 0; i < 20; ++i) {
+    const bool on = g.AllowDrafts();
+    modes += on ? 'd' : 'p';
+    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true, .seconds = 1e-3,
+               .tokens = on ? 4 : 1});
+  }
+  EXPECT_EQ(modes, "pdpdpdpdpdpdpdpddddd");
+}
+
+TEST(DraftGovernorTest, CostsThatDriftOverTimeDoNotDecide) {
+  // A step's cost grows 3x over 256 steps (attention over a growing
+  // context), the same for both modes; a draft model whose steps cost 1.2x
+  // plain per token at any one time. Comparing drafting late with plain
+  // early would call it a gain; the interleaved window sees 1.2x.
+  DraftGovernor g;
+  int drafted = 0;
+  for (int i = 0; i < 256; ++i) {
+    const bool on = g.AllowDrafts();
+    drafted += on;
+    const double base = 1e-3 * (1 + 2.0 * i / 256);
+    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true,
+               .seconds = (on ? 1.2 : 1.0) * base * 8, .tokens = 8});
+  }
+  EXPECT_FALSE(g.choice());
+  ASSERT_TRUE(g.drafting_cost_ratio().has_value());
+  EXPECT_NEAR(*g.drafting_cost_ratio(), 1.2, 0.05);
+  EXPECT_LE(drafted, 8 + 2 * 32);  // the first window, then two long probes (1.2x < 1.25x)
+}
+
 TEST(DraftGovernorTest, GainsThatComeInBurstsAreCounted) {
-  // Only every 8th drafting step has a draft (7 tokens for 1.5x a plain
-  // step's time); the others cost what a plain step costs. Per token that
-  // is 0.6x, though most drafting steps, the last ones of a period
-  // included, look exactly like plain steps.
+  // Only every 8th drafting-allowed step has a draft (7 tokens for 1.5x a
+  // plain step's time); the others draft nothing and are plain steps. Per
+  // token of the steps that drafted that is 0.21x.
   DraftGovernor g;
   int on_steps = 0;
   for (int i = 0; i < 64 * 10; ++i) {
     const bool on = g.AllowDrafts();
     const bool burst = on && ++on_steps % 8 == 1;
     g.Observe({.drafts_allowed = on,
+               .drafted = burst,
                .decode_only = true,
                .seconds = burst ? 1.5e-3 : 1e-3,
                .tokens = burst ? 7 : 1});
   }
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 0u);
-  EXPECT_LT(*g.drafting_seconds_per_token(), 0.7 * *g.plain_seconds_per_token());
+  ASSERT_TRUE(g.drafting_cost_ratio().has_value());
+  EXPECT_LT(*g.drafting_cost_ratio(), 0.3);
+}
+
+TEST(DraftGovernorTest, StepsAllowedToDraftThatDraftedNothingArePlain) {
+  // Every 4th allowed step drafts, at 2x plain per token; the others cost
+  // what plain steps cost. Counted by what was allowed, the drafting mode
+  // would look 1.25x — counted by what drafted, it is 2x: a clear loss.
+  DraftGovernor g;
+  int on_steps = 0;
+  for (int i = 0; i < 64 * 4; ++i) {
+    const bool on = g.AllowDrafts();
+    const bool drafts = on && ++on_steps % 4 == 0;
+    g.Observe({.drafts_allowed = on, .drafted = drafts, .decode_only = true,
+               .seconds = drafts ? 4e-3 : 1e-3, .tokens = drafts ? 2 : 1});
+  }
+  EXPECT_FALSE(g.choice());
+  ASSERT_TRUE(g.drafting_cost_ratio().has_value());
+  EXPECT_GT(*g.drafting_cost_ratio(), 1.5);
+}
+
+TEST(DraftGovernorTest, NothingDraftedDecidesNothing) {
+  // An n-gram source on text that never repeats: no step drafts, nothing
+  // is decided, drafting stays allowed (it costs nothing).
+  DraftGovernor g;
+  for (int i = 0; i < 64 * 8; ++i) {
+    g.Observe({.drafts_allowed = g.AllowDrafts(), .drafted = false, .decode_only = true,
+               .seconds = 1e-3, .tokens = 1});
+  }
+  EXPECT_TRUE(g.choice());
+  EXPECT_EQ(g.decisions(), 0u);
+}
+
+TEST(DraftGovernorTest, AWindowsCatchUpStepIsNotSampled) {
+  // Drafting is off; then it pays (0.5x per token), but the first drafting
+  // step of each probe costs 50x (a draft model catching up a whole
+  // sequence). Sampled, that step would keep drafting off for good.
+  std::mt19937 rng(17);
+  DraftGovernor g;
+  RunSteps(g, 64, 2e-3, 1e-3, rng);
+  ASSERT_FALSE(g.choice());
+  bool first_of_window = true;
+  for (int i = 0; i < 64 * 4; ++i) {
+    const bool on = g.AllowDrafts();
+    double per_token = on ? 0.5e-3 : 1e-3;
+    if (on && first_of_window) per_token *= 100;
+    first_of_window = !on && first_of_window;
+    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true,
+               .seconds = per_token * (on ? 12 : 8), .tokens = on ? 12 : 8});
+  }
+  EXPECT_TRUE(g.choice());
 }
 
 TEST(DraftGovernorTest, ACostWithinTheMarginIsNotWorthDrafting) {
@@ -102,22 +201,26 @@ TEST(DraftGovernorTest, PrefillStepsAreNotTimedAndDoNotAdvanceThePeriod) {
   DraftGovernor g;
   for (int i = 0; i < 1000; ++i) {
     // Prefill steps that look very cheap for drafting must not decide.
-    g.Observe({.drafts_allowed = g.AllowDrafts(), .decode_only = false, .seconds = 1e-9, .tokens = 100});
+    const bool on = g.AllowDrafts();
+    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = false, .seconds = 1e-9,
+               .tokens = 100});
   }
-  EXPECT_FALSE(g.drafting_seconds_per_token().has_value());
-  EXPECT_FALSE(g.plain_seconds_per_token().has_value());
-  EXPECT_FALSE(g.AllowDrafts());  // still the first probe of the first period
+  EXPECT_FALSE(g.drafting_cost_ratio().has_value());
+  EXPECT_EQ(g.decisions(), 0u);
+  EXPECT_FALSE(g.AllowDrafts());  // still the first step of the first window
 }
 
-TEST(DraftGovernorTest, NoDecisionBeforeBothModesWereMeasured) {
-  DraftGovernorOptions options;
-  options.min_samples = 100;  // the probes give 8 plain steps a period
-  DraftGovernor g(options);
-  std::mt19937 rng(7);
-  RunSteps(g, 64 * 12, 5e-3, 1e-3, rng);  // drafting 5x as costly, but 96 plain samples
-  EXPECT_TRUE(g.choice());
-  RunSteps(g, 64, 5e-3, 1e-3, rng);  // the 13th period brings 104
-  EXPECT_FALSE(g.choice());
+TEST(DraftGovernorTest, NoDecisionBeforeBothKindsHaveMinSamples) {
+  // A window while on has 8 plain steps: min_samples 9 never decides
+  // (samples never span a window's start), 8 decides at the first window.
+  for (const int min_samples : {8, 9}) {
+    DraftGovernorOptions options;
+    options.min_samples = min_samples;
+    DraftGovernor g(options);
+    std::mt19937 rng(7);
+    RunSteps(g, 64 * 4, 5e-3, 1e-3, rng);  // drafting 5x as costly
+    EXPECT_EQ(g.choice(), min_samples > 8) << min_samples;
+  }
 }
 
 }  // namespace
