@@ -3,6 +3,7 @@
 #include "kernels/ops.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -346,6 +347,65 @@ int32_t ReferenceDraw(const std::vector<float>& z, const SamplingFilter& f, doub
     if (u < cumulative) return last;
   }
   return last;
+}
+
+// AttendRow's contract is an exact formula, not a tolerance: decode rows,
+// verify rows and prefill rows all run it, and drafted == serial decoding
+// depends on their agreeing bit for bit. The fast kernel (8 keys' dot
+// products side by side) must give exactly what the formula written out
+// one key at a time gives, on odd sizes and strides, poisoned scratch.
+void AttendRowFormula(const float* q, const float* k, const float* v, int64_t count,
+                      int64_t row_stride, int64_t head_dim, float scale, float* out) {
+  std::vector<float> scores(static_cast<size_t>(count));
+  float max_score = -INFINITY;
+  for (int64_t j = 0; j < count; ++j) {
+    float dot = 0.0f;
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const volatile float product = q[i] * k[j * row_stride + i];  // no contraction
+      dot += product;
+    }
+    scores[j] = dot * scale;
+    max_score = std::max(max_score, scores[j]);
+  }
+  float sum = 0.0f;
+  for (int64_t j = 0; j < count; ++j) {
+    scores[j] = std::exp(scores[j] - max_score);
+    sum += scores[j];
+  }
+  for (int64_t i = 0; i < head_dim; ++i) out[i] = 0.0f;
+  for (int64_t j = 0; j < count; ++j) {
+    const float w = scores[j] / sum;
+    for (int64_t i = 0; i < head_dim; ++i) {
+      const volatile float product = w * v[j * row_stride + i];
+      out[i] += product;
+    }
+  }
+}
+
+TEST(OpsTest, AttendRowIsBitwiseTheFormulaKeyByKey) {
+  std::mt19937 rng(TestSeed());
+  std::uniform_int_distribution<int64_t> count_dist(1, 300), dim_dist(1, 70), extra_dist(0, 9);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t count = trial < 20 ? trial + 1 : count_dist(rng);  // every tail length
+    const int64_t head_dim = dim_dist(rng);
+    const int64_t row_stride = head_dim + extra_dist(rng);
+    const std::vector<float> q = RandomVector(rng, static_cast<size_t>(head_dim), -3.0f, 3.0f);
+    const std::vector<float> k = RandomVector(rng, static_cast<size_t>(count * row_stride));
+    const std::vector<float> v = RandomVector(rng, static_cast<size_t>(count * row_stride));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    std::vector<float> scratch(static_cast<size_t>(count), kPoison);
+    std::vector<float> fast(static_cast<size_t>(head_dim), kPoison);
+    std::vector<float> formula(static_cast<size_t>(head_dim), kPoison);
+    AttendRow(q.data(), k.data(), v.data(), count, row_stride, head_dim, scale, scratch.data(),
+              fast.data());
+    AttendRowFormula(q.data(), k.data(), v.data(), count, row_stride, head_dim, scale,
+                     formula.data());
+    for (int64_t i = 0; i < head_dim; ++i) {
+      ASSERT_EQ(std::bit_cast<uint32_t>(fast[i]), std::bit_cast<uint32_t>(formula[i]))
+          << "count " << count << " head_dim " << head_dim << " stride " << row_stride << " i "
+          << i << ": " << fast[i] << " vs " << formula[i];
+    }
+  }
 }
 
 TEST(OpsTest, ArgMaxTakesTheLowestIdOnTies) {
