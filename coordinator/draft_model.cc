@@ -79,11 +79,14 @@ absl::Status DraftModel::Propose(std::span<const DraftRequest> requests,
   // each draft and rolled back at the end).
   const size_t words = static_cast<size_t>((executor_->vocab_size() + 31) / 32);
   std::vector<int> advanced(requests.size(), 0);  // tokens fed to each matcher
-  std::vector<std::vector<uint32_t>> masks(requests.size());
+  // Mask scratch reused across calls (rows keep their capacity).
+  std::vector<std::vector<uint32_t>>& masks = mask_rows_;
+  if (masks.size() < requests.size()) masks.resize(requests.size());
   // The next draft's mask of a constrained sequence; false: nothing allowed.
   auto fill_mask = [&](size_t i) {
     constrained::TokenMatcher& matcher = *requests[i].matcher;
-    std::vector<uint32_t> full(static_cast<size_t>(matcher.mask_words()));
+    std::vector<uint32_t>& full = full_mask_;
+    full.assign(static_cast<size_t>(matcher.mask_words()), 0);
     matcher.FillNextTokenMask(full);
     for (int32_t id : requests[i].never_draw) {
       if (id >= 0 && static_cast<size_t>(id) / 32 < full.size()) full[id / 32] &= ~(1u << (id % 32));

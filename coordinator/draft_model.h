@@ -96,6 +96,9 @@ class DraftModel {
   std::unique_ptr<worker::StepExecutor> executor_;
   absl::flat_hash_map<int64_t, std::vector<int32_t>> fed_;  // tokens in the draft cache
   DraftModelStats stats_;
+  // Propose's mask scratch (a constrained draft position's allowed tokens).
+  std::vector<std::vector<uint32_t>> mask_rows_;
+  std::vector<uint32_t> full_mask_;
 };
 
 }  // namespace exl3serve::coordinator

@@ -780,7 +780,11 @@ void LocalEngine::Step() {
   bool any_draft = false;
   // Structured output: each constrained draw's allowed tokens; entries whose
   // constraint no token can continue (they fail after the forward).
-  std::vector<std::vector<uint32_t>> masks(out.batch.size());
+  // (Rows reused from step to step: resized, never shrunk, so a step
+  // allocates only when its batch or drafts outgrow every earlier one.)
+  std::vector<std::vector<uint32_t>>& masks = mask_rows_;
+  if (masks.size() < out.batch.size()) masks.resize(out.batch.size());
+  for (size_t i = 0; i < out.batch.size(); ++i) masks[i].clear();
   std::vector<uint8_t> unsatisfiable(out.batch.size(), 0);
   const absl::Time masks_start = absl::Now();
   bool any_mask = false;

@@ -350,6 +350,8 @@ class LocalEngine final : public Engine {
   absl::flat_hash_map<int64_t, Live> live_;
   std::vector<worker::SampledToken> tokens_;  // the last step's, per batch entry
   std::vector<std::vector<worker::SampledToken>> runs_;  // the same, of a verified step
+  // Structured output: each batch entry's mask rows of the step (scratch).
+  std::vector<std::vector<uint32_t>> mask_rows_;
   // False once the executor answered ForwardVerified with Unimplemented.
   bool drafting_ = false;
   std::unique_ptr<DraftModel> draft_model_;  // kDraftModel's source
