@@ -34,34 +34,46 @@
 //     starts with a probe window whose even steps run the mode that is not
 //     the current choice and whose odd steps run the choice — while drafting
 //     is on, `probe` (8) plain steps among 8 drafting ones; while it is off,
-//     `probe_drafting` (32) drafting-allowed steps among plain ones (8 once
-//     the ratio is above `clear_loss` (1.25): a draft model that loses,
+//     `probe_drafting` (32) drafting-allowed steps among plain ones (8 + 1
+//     for the catch-up once the ratio is above `clear_loss` (1.25): a draft model that loses,
 //     loses at every step, while n-gram gains come in bursts a short probe
 //     would mostly miss). Adjacent steps share batch, context and caches.
-//   - A decision needs `min_samples` (4) of each kind since the last
-//     decision or the window's start (samples never span a window start, so
-//     the two kinds are always measured together); it is taken at the end
-//     of the window and again at the end of the period (n-gram's natural
-//     plain steps). Each decision's ratio of sums (seconds / tokens of each
-//     kind: gains come in bursts, a mean of per-step ratios would mostly see
-//     the steps between bursts) enters an exponential moving average
-//     (weight `alpha` 0.5), and the choice becomes drafts iff that average
-//     is below `margin` (0.97).
+//   - Only the windows' steps are samples, and a decision needs
+//     `min_samples` (8) of each kind, accumulated over as many windows as
+//     that takes (every window holds both kinds at the same times, so
+//     samples of several windows still compare like with like; the steps
+//     outside windows — all drafting for a draft model — would not). It is
+//     taken at the end of a window: the ratio of sums (seconds / tokens of
+//     each kind: gains come in bursts, a mean of per-step ratios would
+//     mostly see the steps between bursts) enters an exponential moving
+//     average (weight `alpha` 0.5), and the choice becomes drafts iff that
+//     average is below `margin` (0.97). A draft model decides in one window;
+//     n-gram drafts, which draft on a few steps only, over a few (a single
+//     window's 1-3 drafting steps once turned a 1.1x gain into "1.7x loss").
 //   - The first drafted step of a window while drafting is off is not
 //     sampled: a draft model then catches up the tokens it missed (a whole
 //     sequence's prefill), a one-time cost of turning drafting on, not a
 //     steady one.
 //   - While drafting stays off, probes back off: after each window whose
 //     own ratio confirms "off" the next probe comes twice as many periods
-//     later, up to every `max_probe_backoff` (16) periods; a window without
-//     enough samples (nothing drafted: it cost nothing), or whose ratio says
-//     drafting pays while the average does not yet, probes again the next
-//     period (so a change is confirmed within a few periods, not backoffs). Any switch, and every period while drafting is on, probes
-//     the next period. Until the first decision the choice is "drafts" (the
-//     default the operator asked for); the first window decides after 16
-//     steps.
-// So drafting that does not pay costs its share of probes (a draft model
-// at 2x plain per token: 8 drafting steps every 16 periods of 64), and
+//     later (four times while the loss is clear), up to every
+//     `max_probe_backoff` (16) periods; a window without enough samples
+//     (nothing drafted: it cost nothing), or whose ratio says drafting pays
+//     while the average does not yet, probes again the next period (so a
+//     change is confirmed within a few periods, not backoffs). A switch to
+//     "off" by a clear loss waits 4 periods for its first probe; any other
+//     switch, and every period while drafting is on, probes the next
+//     period. Until the first decision the choice is "drafts" (the default
+//     the operator asked for); the first window decides after 16 steps.
+//   - Probing a losing draft source is also held to a budget: while off,
+//     plain steps earn `probe_budget` (2 %) of their time, and each
+//     decision spends what its drafting steps (catch-up included; the first
+//     window's too) cost beyond plain decoding of the same tokens; a due
+//     probe waits while the budget is negative. So however costly a probe
+//     is (a draft model catching up 8 sequences, drafting steps at 6x a
+//     plain step), probes take ~2 % of the time in the long run.
+// So drafting that does not pay costs its share of probes (at most ~2 %
+// beyond the first window), and
 // drafting that pays keeps ~7/8 of its gain. Steps with a prefill chunk
 // (decode_only false) are not timed and do not advance the period: their
 // cost is the prompt's.
@@ -76,14 +88,15 @@
 namespace exl3serve::coordinator {
 
 struct DraftGovernorOptions {
-  int period = 64;          // decode-only steps per period, >= 2 * max(probe, probe_drafting)
+  int period = 64;          // decode-only steps per period, >= 2 * max(probe + 1, probe_drafting)
   int probe = 8;            // plain steps per window while drafting is on, >= 1
   int probe_drafting = 32;  // drafting-allowed steps per window while it is off, >= 1
   double alpha = 0.5;       // EMA weight of a new decision's ratio, (0, 1]
   double margin = 0.97;     // drafting must be this much cheaper per token
-  int min_samples = 4;      // steps of each kind a decision needs, >= 1
+  int min_samples = 8;      // window steps of each kind a decision needs, >= 1
   int max_probe_backoff = 16;  // periods between probes while off, at most (>= 1)
   double clear_loss = 1.25;    // ratio above this: short probes of drafting (> 1)
+  double probe_budget = 0.02;  // probes' extra time / plain time while off, (0, 1)
 };
 
 struct DraftStepCost {
@@ -126,7 +139,7 @@ class DraftGovernor {
   int step_in_period_ = 0;
   int window_ = 0;  // probe window length of this period (0: no probe)
   std::optional<double> ratio_;
-  double seconds_[2] = {0, 0};  // [plain, drafted] since the last decision / window start
+  double seconds_[2] = {0, 0};  // [plain, drafted] window samples since the last decision
   int64_t tokens_[2] = {0, 0};
   int samples_[2] = {0, 0};
   bool skip_first_drafted_ = false;  // a window while off: its catch-up step
@@ -137,6 +150,12 @@ class DraftGovernor {
   bool probe_period_ = true;  // this period starts with a probe window
   int backoff_ = 1;           // periods from one probe of drafting to the next
   int skip_ = 0;              // periods left without a probe
+  // Probe budget while off (seconds): plain steps add probe_budget x their
+  // time, each decision takes what its drafted probe steps cost beyond
+  // plain per-token cost; a probe waits while it is negative.
+  double budget_ = 0;
+  double probe_seconds_ = 0;  // drafted steps while off (or before the first decision)
+  int64_t probe_tokens_ = 0;
 };
 
 }  // namespace exl3serve::coordinator

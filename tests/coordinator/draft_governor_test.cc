@@ -45,13 +45,13 @@ TEST(DraftGovernorTest, KeepsDraftsThatPayAndDropsThoseThatDoNot) {
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 0u);
   // The costs turn (say the text stopped repeating): off at the end of the
-  // next window, then drafting only in the probes, which back off: the
-  // periods after the switch probe at 1, 2, 4, 8, 16, 16, ... periods.
+  // next window, then drafting only in the probes, which back off: a clear
+  // loss (3x) probes 8 drafting steps 1, 4, 16, 16, ... periods apart.
   RunSteps(g, 64 + 16, 3e-3, 1e-3, rng);
   EXPECT_FALSE(g.choice());
   const int probed = RunSteps(g, 64 * 64, 3e-3, 1e-3, rng);
-  EXPECT_GE(probed, 5 * 8);  // a clear loss (3x): probes of drafting are 8 steps
-  EXPECT_LE(probed, 8 * 8);  // vs 64 * 8 with a probe every period
+  EXPECT_GE(probed, 3 * 9);  // 8 sampled + 1 catch-up step a probe
+  EXPECT_LE(probed, 6 * 9);  // vs 64 * 9 with a probe every period
   // And back on when drafting pays again (by the second probe at the latest).
   RunSteps(g, 64 * 33, 0.4e-3, 1e-3, rng);
   EXPECT_TRUE(g.choice());
@@ -76,14 +76,16 @@ TEST(DraftGovernorTest, ProbesAreLongOnlyWhileTheLossIsSmall) {
     DraftGovernor g;
     RunSteps(g, 128, loss * 1e-3, 1e-3, rng, /*jitter=*/0.01);
     ASSERT_FALSE(g.choice()) << loss;
-    const int probe = loss < 1.25 ? 32 : 8;
-    // Periods after the switch probe at 1, 2, 4, 8, 16, 16, ... periods:
-    // every drafting step of the next 64 periods belongs to one of 5-8
-    // probes (where the 128 steps above ended within a period decides).
+    const bool clear = loss > 1.25;
+    const int probe = clear ? 9 : 32;  // 8 + the unsampled catch-up step
+    // The periods after the switch probe 1, 2, 4, 8, 16, 16, ... periods
+    // apart (a clear loss: 1, 4, 16, 16, ...): every drafting step of the
+    // next 64 periods belongs to one of 5-8 (4-6) probes (where the 128
+    // steps above ended within a period decides).
     const int probed = RunSteps(g, 64 * 64, loss * 1e-3, 1e-3, rng, /*jitter=*/0.01);
     EXPECT_EQ(probed % probe, 0) << loss;
-    EXPECT_GE(probed, 5 * probe) << loss;
-    EXPECT_LE(probed, 8 * probe) << loss;
+    EXPECT_GE(probed, (clear ? 4 : 5) * probe) << loss;
+    EXPECT_LE(probed, (clear ? 6 : 8) * probe) << loss;
   }
 }
 
@@ -147,7 +149,7 @@ TEST(DraftGovernorTest, StepsAllowedToDraftThatDraftedNothingArePlain) {
   // would look 1.25x — counted by what drafted, it is 2x: a clear loss.
   DraftGovernor g;
   int on_steps = 0;
-  for (int i = 0; i < 64 * 4; ++i) {
+  for (int i = 0; i < 64 * 8; ++i) {
     const bool on = g.AllowDrafts();
     const bool drafts = on && ++on_steps % 4 == 0;
     g.Observe({.drafts_allowed = on, .drafted = drafts, .decode_only = true,
@@ -172,22 +174,50 @@ TEST(DraftGovernorTest, NothingDraftedDecidesNothing) {
 
 TEST(DraftGovernorTest, AWindowsCatchUpStepIsNotSampled) {
   // Drafting is off; then it pays (0.5x per token), but the first drafting
-  // step of each probe costs 50x (a draft model catching up a whole
-  // sequence). Sampled, that step would keep drafting off for good.
+  // step of each probe costs 10x (a draft model catching up a whole
+  // sequence). Sampled, that step would make each window a loss (1.0x).
   std::mt19937 rng(17);
   DraftGovernor g;
   RunSteps(g, 64, 2e-3, 1e-3, rng);
   ASSERT_FALSE(g.choice());
-  bool first_of_window = true;
-  for (int i = 0; i < 64 * 4; ++i) {
+  // (The first window's 2x cost delays the first probe ~9 periods: budget.)
+  int plain_run = 2;  // plain steps since the last drafting step
+  for (int i = 0; i < 64 * 16; ++i) {
     const bool on = g.AllowDrafts();
     double per_token = on ? 0.5e-3 : 1e-3;
-    if (on && first_of_window) per_token *= 100;
-    first_of_window = !on && first_of_window;
+    if (on && plain_run > 1) per_token *= 10;  // a window's first drafting step
+    plain_run = on ? 0 : plain_run + 1;
     g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true,
                .seconds = per_token * (on ? 12 : 8), .tokens = on ? 12 : 8});
   }
   EXPECT_TRUE(g.choice());
+}
+
+TEST(DraftGovernorTest, ProbesOfACostlyLosingSourceKeepToTheBudget) {
+  // Drafting steps cost 6x a plain step for 1.5x its tokens (a draft model
+  // on a CPU), and each probe's first drafting step 40x (catch-up). Beyond
+  // the first window, probing may cost ~2 % of the plain time, not the
+  // ~8 % that 8-step probes every 16 periods would.
+  DraftGovernor g;
+  double plain_seconds = 0, excess_seconds = 0;
+  int windows = 0;
+  bool previous_on = false;
+  for (int i = 0; i < 64 * 400; ++i) {
+    const bool on = g.AllowDrafts();
+    const bool catch_up = on && i > 16 && !previous_on && g.choice() == false &&
+                          (i % 64) == 0;  // a window's first step
+    windows += catch_up;
+    const double seconds = on ? (catch_up ? 40e-3 : 6e-3) : 1e-3;
+    const int64_t tokens = on ? 3 : 2;
+    if (on && i >= 16) excess_seconds += seconds - tokens * 0.5e-3;
+    if (!on) plain_seconds += seconds;
+    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true, .seconds = seconds,
+               .tokens = tokens});
+    previous_on = on;
+  }
+  EXPECT_FALSE(g.choice());
+  EXPECT_GE(windows, 3);  // it still probes
+  EXPECT_LE(excess_seconds, 0.025 * plain_seconds) << windows << " probe windows";
 }
 
 TEST(DraftGovernorTest, ACostWithinTheMarginIsNotWorthDrafting) {
@@ -211,16 +241,40 @@ TEST(DraftGovernorTest, PrefillStepsAreNotTimedAndDoNotAdvanceThePeriod) {
 }
 
 TEST(DraftGovernorTest, NoDecisionBeforeBothKindsHaveMinSamples) {
-  // A window while on has 8 plain steps: min_samples 9 never decides
-  // (samples never span a window's start), 8 decides at the first window.
+  // A window while on has 8 plain and 8 drafting steps: min_samples 8
+  // decides at the first window's end, 9 at the second's (samples add up
+  // over windows; the steps between windows are no samples).
   for (const int min_samples : {8, 9}) {
     DraftGovernorOptions options;
     options.min_samples = min_samples;
     DraftGovernor g(options);
     std::mt19937 rng(7);
-    RunSteps(g, 64 * 4, 5e-3, 1e-3, rng);  // drafting 5x as costly
+    RunSteps(g, 64 + 15, 5e-3, 1e-3, rng);  // drafting 5x as costly
     EXPECT_EQ(g.choice(), min_samples > 8) << min_samples;
+    EXPECT_EQ(g.decisions(), min_samples > 8 ? 0u : 1u) << min_samples;
+    RunSteps(g, 1, 5e-3, 1e-3, rng);  // the second window's last step
+    EXPECT_FALSE(g.choice()) << min_samples;
   }
+}
+
+TEST(DraftGovernorTest, FewDraftingStepsAWindowAddUpBeforeDeciding) {
+  // n-gram drafts on a quarter of the steps it may (2 of a window's 8),
+  // and the first ones are rejected (2x plain per token) while the rest
+  // pay (0.6x). A decision on the first window's 2 steps would say "off";
+  // with 8 drafting samples over 4 windows it says "on" and never switched.
+  DraftGovernor g;
+  int allowed = 0;
+  for (int i = 0; i < 64 * 12; ++i) {
+    const bool on = g.AllowDrafts();
+    const bool drafts = on && ++allowed % 4 == 0;
+    const double per_token = !drafts ? 1e-3 : (allowed <= 8 ? 2e-3 : 0.6e-3);
+    const int64_t tokens = drafts ? 4 : 1;
+    g.Observe({.drafts_allowed = on, .drafted = drafts, .decode_only = true,
+               .seconds = per_token * tokens, .tokens = tokens});
+  }
+  EXPECT_TRUE(g.choice());
+  EXPECT_EQ(g.switches(), 0u);
+  EXPECT_GE(g.decisions(), 1u);
 }
 
 }  // namespace
