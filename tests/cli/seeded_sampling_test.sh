@@ -21,20 +21,9 @@
 set -uo pipefail
 BIN=$1
 SRC=${EXL3_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
-BUILD=${EXL3_BUILD_DIR:-$(dirname "$(dirname "$BIN")")}
-WORK=$(mktemp -d)
 source "$SRC/tests/cli/lib/serve.sh"
-cleanup() { serve_stop >/dev/null 2>&1; rm -rf "$WORK"; }
-trap cleanup EXIT
-trap 'exit 1' INT TERM
-fail() {
-  echo "FAIL: $*"
-  for f in "$WORK"/*.log; do [ -f "$f" ] && { echo "--- $f"; tail -20 "$f"; }; done
-  exit 1
-}
-
-require_python_grpc
-py() { /usr/bin/python3 "$SRC/tests/cli/replay_client.py" --addr "$ADDR" --stubs "$BUILD/python" "$@"; }
+# shellcheck disable=SC2119  # no client flags
+serve_test_setup  # BUILD, WORK, the cleanup trap, fail, the Python skip, py
 
 EXTRA=(--kv-pages 600 --shutdown-grace-ms 2000)
 STREAMS=16

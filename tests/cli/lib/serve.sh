@@ -12,7 +12,8 @@
 #   require_python_grpc                  exit 77 (skip, saying why) unless /usr/bin/python3 has
 #                                        grpcio/protobuf and $BUILD/python holds the stubs
 #   serve_test_setup [client flags...]   the common preamble of the replay_client.py tests
-#                                        (speculative_serve_test.sh, lib/moe_serve.sh): BUILD
+#                                        (speculative_serve_test.sh, seeded_sampling_test.sh,
+#                                        lib/moe_serve.sh): BUILD
 #                                        ($EXL3_BUILD_DIR, else the build dir above BIN), WORK (a
 #                                        fresh temp dir), an EXIT trap (serve_stop, then rm -rf
 #                                        WORK), INT/TERM -> exit 1, fail MSG (prints MSG and the
