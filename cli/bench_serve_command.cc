@@ -3,7 +3,8 @@
 // C client threads each run streams back to back (R in all) of random
 // token-id prompts of P tokens, greedy (or --temperature/--top-p/--top-k, seeded per request), ignore_eos, max_tokens G, and the
 // program prints a table: requests, output throughput (tokens/s), time to
-// first token and inter-token latency p50/p99, and the coordinator's own
+// first token and inter-token latency p50/p99, decode throughput per stream
+// (tokens after the first chunk over first-to-last-chunk time: 1 / TPOT), and the coordinator's own
 // time per step as a fraction of step time (from GetServerInfo's cumulative
 // step counters, taken before and after; "n/a" when the engine does not
 // count steps).
@@ -71,6 +72,8 @@ struct StreamResult {
   grpc::Status status;
   uint32_t tokens = 0;
   double ttft_s = 0;
+  double decode_s = 0;            // first chunk to last chunk: the decode phase
+  uint32_t first_chunk_tokens = 0;
   std::vector<double> itl_s;
   std::vector<uint32_t> output_ids;  // GenerateComplete's
   uint32_t prompt_tokens = 0;
@@ -120,6 +123,7 @@ StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& re
     const int n = response.chunk().token_ids_size();
     if (result.tokens == 0) {
       result.ttft_s = absl::ToDoubleSeconds(now - start);
+      result.first_chunk_tokens = static_cast<uint32_t>(n);
       for (int i = 1; i < n; ++i) result.itl_s.push_back(0.0);
     } else {
       const double gap = absl::ToDoubleSeconds(now - last) / n;
@@ -128,6 +132,7 @@ StreamResult RunStream(v1::Generation::Stub& stub, const v1::GenerateRequest& re
     result.tokens += static_cast<uint32_t>(n);
     last = now;
   }
+  if (result.tokens > 0) result.decode_s = absl::ToDoubleSeconds(last - start) - result.ttft_s;
   result.status = reader->Finish();
   return result;
 }
@@ -409,6 +414,8 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
     int ok = 0;
     uint64_t tokens = 0;
     std::vector<double> ttft, itl;
+    uint64_t decode_tokens = 0;  // tokens after each stream's first chunk
+    double decode_s = 0;
     std::string first_error;
     for (const StreamResult& r : results) {
       if (!r.status.ok()) {
@@ -419,6 +426,8 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
       tokens += r.tokens;
       ttft.push_back(r.ttft_s);
       itl.insert(itl.end(), r.itl_s.begin(), r.itl_s.end());
+      decode_tokens += r.tokens - r.first_chunk_tokens;
+      decode_s += r.decode_s;
     }
     const uint64_t steps = after.num_steps() - before.num_steps();
     const double step_s = after.step_seconds_total() - before.step_seconds_total();
@@ -440,6 +449,13 @@ CommandRunner RegisterBenchServeCommand(CLI::App& app) {
                 1e3 * Quantile(ttft, 0.99));
     std::printf("  %-28s %.2f / %.2f ms\n", "inter-token latency p50/p99", 1e3 * Quantile(itl, 0.5),
                 1e3 * Quantile(itl, 0.99));
+    // Decode speed of one stream without its prefill: tokens after the first
+    // chunk over the time from the first chunk to the last, summed over
+    // streams (1 / TPOT, token-weighted; others' prefill chunks in the same
+    // steps count, as in vLLM's TPOT).
+    std::printf("  %-28s %.1f tokens/s (TPOT %.2f ms)\n", "decode throughput / stream",
+                decode_s > 0 ? decode_tokens / decode_s : 0.0,
+                decode_tokens > 0 ? 1e3 * decode_s / decode_tokens : 0.0);
     if (steps > 0 && step_s > 0) {
       std::printf("  %-28s %llu, mean %.2f ms\n", "engine steps", static_cast<unsigned long long>(steps),
                   1e3 * step_s / steps);

@@ -12,6 +12,7 @@
 //
 //   verify_cost_bench [--model DIR] [--batch 1,8] [--max-draft 8] [--steps 40] [--threads T]
 //                     [--layers L --hidden H --intermediate I --vocab V] [--mixed-only]
+//                     [--ks 0,4 (these draft lengths only)] [--no-mixed (first table only)]
 //
 // Without --model it writes the Qwen3-shaped demo model (2 layers, hidden
 // 256, vocab 151 936, untied head; the shape flags override it) and converts
@@ -218,6 +219,8 @@ int main(int argc, char** argv) {
   int max_draft = 8, steps = 40, threads = 0;
   int layers = 0, hidden = 0, intermediate = 0, vocab = 0;
   bool mixed_only = false;
+  bool no_mixed = false;
+  std::vector<int> draft_list;  // --ks: these k instead of 0, 1, 2, 4, ... max_draft
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> const char* {
@@ -234,8 +237,11 @@ int main(int argc, char** argv) {
     else if (a == "--intermediate") intermediate = std::atoi(value());
     else if (a == "--vocab") vocab = std::atoi(value());
     else if (a == "--mixed-only") mixed_only = true;
-    else Die("unknown flag " + a + " (--model DIR --batch 1,8 --max-draft K --steps N --threads T"
-             " --layers L --hidden H --intermediate I --vocab V --mixed-only)");
+    else if (a == "--no-mixed") no_mixed = true;
+    else if (a == "--ks") draft_list = ParseList(value());
+    else Die("unknown flag " + a + " (--model DIR --batch 1,8 --max-draft K --ks 0,4 --steps N"
+             " --threads T --layers L --hidden H --intermediate I --vocab V --mixed-only"
+             " --no-mixed)");
   }
   if (threads > 0) exl3serve::kernels::cpu::SetSharedThreadPoolSize(threads);
   std::filesystem::path tmp;
@@ -283,12 +289,21 @@ int main(int argc, char** argv) {
     std::printf("|---|---|---|---|---|---|---|\n");
     for (int batch : batches) {
       const double decode = TimeSteps(**model, batch, -1, steps);
-      for (int k = 0; k <= max_draft; k = k == 0 ? 1 : k * 2) {
+      std::vector<int> ks = draft_list;
+      if (ks.empty()) {
+        for (int k = 0; k <= max_draft; k = k == 0 ? 1 : k * 2) ks.push_back(k);
+      }
+      for (int k : ks) {
         const double t = TimeSteps(**model, batch, k, steps);
         std::printf("| %d | %d | %d | %.2f | %.2f | %.2fx | %.2f |\n", batch, k, batch * (k + 1),
                     1e3 * t, 1e3 * decode, t / decode, t / decode - 1.0);
       }
     }
+  }
+  if (no_mixed) {
+    std::printf("load average now %s\n", exl3serve::cli::LoadAverages().c_str());
+    if (!tmp.empty()) std::filesystem::remove_all(tmp);
+    return 0;
   }
   std::printf("\nmixed steps: row plan (int8 decode-kind rows + fp32 prefill-kind rows, one kernel "
               "call per kind) vs one fp32 call of all rows (ceiling: what the old m-based switch "

@@ -127,6 +127,9 @@ for r in ranks:
       >"$WORK/bench.out" 2>&1 || { cat "$WORK/bench.out"; fail "tp=$TP: bench-serve"; }
   grep -qE "requests ok +8 / 8" "$WORK/bench.out" || { cat "$WORK/bench.out"; fail "tp=$TP: bench-serve streams failed"; }
   grep -E "output throughput" "$WORK/bench.out"
+  # 8 streams of 8 tokens: 7 decode tokens each after the first, at a positive rate.
+  grep -qE "decode throughput / stream +[0-9]*[1-9][0-9]*\.[0-9] tokens/s \(TPOT [0-9.]+ ms\)" "$WORK/bench.out" ||
+    { cat "$WORK/bench.out"; fail "tp=$TP: bench-serve decode throughput line"; }
 
   # Drain: SIGTERM while a long stream runs. The stream gets the grace period
   # (then it is cancelled), the client does not hang, serve exits 0.
