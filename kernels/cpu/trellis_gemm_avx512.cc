@@ -46,6 +46,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/logging.h"
 #include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/trellis_gemm_avx512_inl.h"
 #include "kernels/cpu/trellis_gemm_internal.h"
@@ -349,6 +350,143 @@ void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
   }
 }
 
+// GEMV path, kInt8 with VNNI, kStripMinRows or more rows (verify steps and
+// batched decode; the 6- and 8-bit heads of real checkpoints and CPUs
+// without VBMI2 take this path). GemvRowsInt8 keeps 8 accumulators per row,
+// so rows ran in passes of 4, each decoding every tile again (13 rows: 4
+// decodes of the whole weight), and paid 2 vpdpbusd per row and 32 weights.
+// Here, per strip of kStripGroups rows of tiles:
+//   - each row's activation pair vector is built once, A[i][tk] lane l =
+//     int16 q(row l) | int16 q(row 16 + l) << 16 (q: the int8 activation of
+//     x_pos_i8's a0 / a1 lanes), and reused by the block's 8 column tiles;
+//   - each tile is decoded once per pass into its 8 byte-sum vectors, T[P]
+//     lane l = t(product 2P, l) | t(product 2P + 1, l) << 16 (t < 2^10);
+//   - every row then runs over them in groups of up to 8, two output
+//     positions P at a time: ONE vpdpwssd per row and 32 weights, T·A =
+//     t0·q0 + t1·q1, exactly GemvRowsInt8's two vpdpbusd (t·q is the dot of
+//     the product's 4 unsigned bytes with q replicated).
+// p0 uops per 32 weights: ~9 for the decode once + 1 per row (16 rows: 25,
+// where four 4-row passes took 56). Partial sums wait in `sums` between
+// strips. int32 sums are exact (wrapping adds, any order), so the outputs
+// are bit for bit GemvRowsInt8's (kernels.TrellisGemmRowsTest).
+constexpr int64_t kStripGroups = 64;  // rows of tiles per strip
+constexpr int64_t kStripMinRows = 5;  // fewer rows: GemvRowsInt8 (one pass; equal at 4)
+constexpr int kStripRowGroup = 8;     // rows per walk over a strip's tiles
+
+// Rows [0, R) of a group over one column tile's strip: t_vectors [strip][8
+// P], pairs[b] [strip] (row b's A vectors), sums [R][8 P][16 lanes] in and out.
+template <int R>
+void StripRowsInt8(const __m512i* t_vectors, int64_t strip, const __m512i* const* pairs,
+                   int32_t* sums) {
+  for (int P = 0; P < 8; P += 2) {
+    __m512i acc[R][2];
+    for (int b = 0; b < R; ++b) {
+      acc[b][0] = _mm512_load_si512(sums + (b * 8 + P) * 16);
+      acc[b][1] = _mm512_load_si512(sums + (b * 8 + P + 1) * 16);
+    }
+    const __m512i* tv = t_vectors + P;
+    for (int64_t t = 0; t < strip; ++t, tv += 8) {
+      const __m512i t0 = _mm512_load_si512(tv);
+      const __m512i t1 = _mm512_load_si512(tv + 1);
+      for (int b = 0; b < R; ++b) {
+        const __m512i a = _mm512_load_si512(pairs[b] + t);
+        acc[b][0] = _mm512_dpwssd_epi32(acc[b][0], t0, a);
+        acc[b][1] = _mm512_dpwssd_epi32(acc[b][1], t1, a);
+      }
+    }
+    for (int b = 0; b < R; ++b) {
+      _mm512_store_si512(sums + (b * 8 + P) * 16, acc[b][0]);
+      _mm512_store_si512(sums + (b * 8 + P + 1) * 16, acc[b][1]);
+    }
+  }
+}
+
+using StripRowsFn = void (*)(const __m512i*, int64_t, const __m512i* const*, int32_t*);
+constexpr StripRowsFn kStripRows[kStripRowGroup + 1] = {
+    nullptr,          StripRowsInt8<1>, StripRowsInt8<2>, StripRowsInt8<3>, StripRowsInt8<4>,
+    StripRowsInt8<5>, StripRowsInt8<6>, StripRowsInt8<7>, StripRowsInt8<8>};
+
+template <int K>
+void GemvStripsInt8(const TrellisGemmProblem& pr, int64_t n0) {
+  const Exl3LinearView& view = *pr.view;
+  const int64_t groups = view.k / kTileDim;
+  const int64_t tiles_n = view.n / kTileDim;
+  const int64_t row_stride = tiles_n * 16 * K;
+  const int64_t m = pr.m;
+  const WindowTables<K>& wt = GetWindowTables<K>();
+  const __m512i shift = _mm512_load_si512(wt.shift);
+  const __m512i mul = _mm512_set1_epi32(static_cast<int>(kMul1Mul));
+  const __m512i ones = _mm512_set1_epi32(0x01010101);
+  // Per thread, grown only: a strip's t vectors [strip][8], the rows' pair
+  // vectors [m][strip], the sums [8 tiles][m][8 P] (x 16 int32 each).
+  const int64_t t_count = kStripGroups * 8;
+  const int64_t pair_count = m * kStripGroups;
+  const int64_t sum_count = kTilesPerBlock * m * 8;
+  struct Scratch {
+    std::unique_ptr<int32_t[], decltype(&std::free)> data{nullptr, &std::free};
+    int64_t vectors = 0;
+  };
+  thread_local Scratch scratch;
+  const int64_t need = t_count + pair_count + sum_count;
+  if (scratch.vectors < need) {
+    scratch.data.reset(static_cast<int32_t*>(std::aligned_alloc(64, need * sizeof(__m512i))));
+    EXL3_CHECK(scratch.data != nullptr);
+    scratch.vectors = need;
+  }
+  __m512i* t_vectors = reinterpret_cast<__m512i*>(scratch.data.get());
+  __m512i* pairs = t_vectors + t_count;
+  int32_t* sums = reinterpret_cast<int32_t*>(pairs + pair_count);
+  std::memset(sums, 0, static_cast<size_t>(sum_count) * sizeof(__m512i));
+  for (int64_t g0 = 0; g0 < groups; g0 += kStripGroups) {
+    const int64_t strip = std::min(kStripGroups, groups - g0);
+    // A[i][t]: words 2l, 2l + 1 of lane l = sign-extended q of a0[l], a1[l]
+    // (each dword of x_pos_i8 holds its q in all four bytes).
+    for (int64_t i = 0; i < m; ++i) {
+      const uint32_t* x = pr.x_pos_i8 + (i * groups + g0) * 32;
+      for (int64_t t = 0; t < strip; ++t, x += 32) {
+        const __m512i q0 = _mm512_srai_epi16(_mm512_loadu_si512(x), 8);
+        const __m512i q1 = _mm512_srai_epi16(_mm512_loadu_si512(x + 16), 8);
+        _mm512_store_si512(pairs + i * kStripGroups + t,
+                           _mm512_mask_blend_epi16(0xAAAAAAAAu, q0, q1));
+      }
+    }
+    for (int tn = 0; tn < kTilesPerBlock; ++tn) {
+      const uint16_t* tile = view.trellis + (n0 / kTileDim + tn) * 16 * K + g0 * row_stride;
+      for (int64_t t = 0; t < strip; ++t, tile += row_stride) {
+        if (g0 + t + kPrefetchTiles < groups) PrefetchTile(tile + kPrefetchTiles * row_stride, K);
+        const TileRegs<K> regs = LoadTile<K>(tile, wt);
+        __m512i* out = t_vectors + t * 8;
+        Unroll<8>([&]<int P>() {
+          const __m512i x0 = _mm512_mullo_epi32(States<K, 2 * P>(regs, wt, shift), mul);
+          const __m512i x1 = _mm512_mullo_epi32(States<K, 2 * P + 1>(regs, wt, shift), mul);
+          const __m512i t0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x0, ones);
+          const __m512i t1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), x1, ones);
+          _mm512_store_si512(out + P, _mm512_or_si512(t0, _mm512_slli_epi32(t1, 16)));
+        });
+      }
+      int32_t* tile_sums = sums + tn * m * 8 * 16;
+      for (int64_t row0 = 0; row0 < m; row0 += kStripRowGroup) {
+        const int rows = static_cast<int>(std::min<int64_t>(kStripRowGroup, m - row0));
+        const __m512i* row_pairs[kStripRowGroup];
+        for (int b = 0; b < rows; ++b) row_pairs[b] = pairs + (row0 + b) * kStripGroups;
+        kStripRows[rows](t_vectors, strip, row_pairs, tile_sums + row0 * 8 * 16);
+      }
+    }
+  }
+  for (int tn = 0; tn < kTilesPerBlock; ++tn) {
+    for (int64_t row = 0; row < m; ++row) {
+      float* out = pr.y + row * view.n + n0 + tn * kTileDim;
+      const int32_t* lanes = sums + ((tn * m + row) * 8) * 16;
+      for (int p = 0; p < 8; ++p, lanes += 16) {
+        int32_t cp, cp8;
+        ReduceGroup(lanes, &cp, &cp8);
+        out[p] = internal::Int8Epilogue(cp, pr.x_int_sum[row], pr.x_scale[row]);
+        out[p + 8] = internal::Int8Epilogue(cp8, pr.x_int_sum[row], pr.x_scale[row]);
+      }
+    }
+  }
+}
+
 // Offsets of trellis position j inside a 16-row x 64-column panel slice:
 // 64·row + column (§3.2).
 struct ScatterTable {
@@ -630,6 +768,12 @@ void ColumnBlockFor(const TrellisGemmProblem& pr, int64_t block) {
   }
   if constexpr (kCb == Codebook::kMul1) {
     if (pr.precision == TrellisGemmPrecision::kInt8) {
+      if constexpr (kVnni) {
+        if (m >= kStripMinRows) {
+          GemvStripsInt8<K>(pr, n0);
+          return;
+        }
+      }
       int64_t i = 0;
       for (; i + 4 <= m; i += 4) GemvRowsInt8<K, kVnni, 4>(pr, n0, i);
       switch (m - i) {

@@ -7,7 +7,11 @@
 // code; all must equal the scalar reference bit for bit (kInt8: exact int32
 // sums), for odd shapes, K = 1..4, any thread count, with every output
 // written (outputs poisoned first), and the 32-bit-lane fallback
-// (avx512icl::SetEnabledForTest(false)) too. kFloat: within fp32 accumulation
+// (avx512icl::SetEnabledForTest(false)) too. K = 5..8 (real checkpoints'
+// 6- and 8-bit heads) and the fallback at 5+ rows run the strip form
+// (trellis_gemm_avx512.cc GemvStripsInt8: each tile decoded once into a
+// buffer, rows in groups of 8 over it; a 1152-deep shape is 72 rows of
+// tiles, so two strips of 64 and 8). kFloat: within fp32 accumulation
 // error of the scalar reference, and a row's result does not depend on the
 // rows it shares a pass with (bitwise equal to the row alone).
 #include <algorithm>
@@ -102,7 +106,7 @@ double WorstRelativeError(const Exl3LinearView& view, const std::vector<float>& 
 void CheckInt8AllRows(const char* path) {
   std::mt19937 rng(TestSeed());
   for (const Shape& shape : kShapes) {
-    for (int bits = 1; bits <= 4; ++bits) {
+    for (int bits = 1; bits <= 8; ++bits) {
       const Exl3LinearData d = RandomLinear(rng, shape.k, shape.n, bits, Codebook::kMul1,
                                             bits % 2 == 1);
       const Exl3LinearView view = d.view();
