@@ -24,18 +24,31 @@
 #             but a verify step of 1 + k rows costs more than a decode row;
 #   draft     stories prompts on stories260K at 4 bpw (EXL3) drafted by its
 #             own 2 bpw conversion (`--speculative draft --draft-model`, case
-#             (b) of the issue), against the 4 bpw model without drafts.
+#             (b) of the issue), against the 4 bpw model without drafts;
+#   copy-big  the big model converted to EXL3 at 4 bpw (as users run it), on
+#             prompts that quote the text it is about to write: a random span
+#             x4, then the model's own greedy continuation of that span (128
+#             tokens, written by `generate` beforehand), then the span x4
+#             again — prompt lookup finds the quote and drafts it, the case
+#             of a model copying a quoted span (case (a) of the issue with a
+#             model that copies; the real stories260K copies half its drafts).
+#             Drafts of K_COPY tokens (default 12; the other rows use K).
 # Three servers per row: no drafts (the ceiling), drafts with the governor
 # (the default: drafting only while it measures cheaper per token), and
 # drafts at every step the windows allow (--no-draft-governor: the raw cost).
-# Prints bench-serve's tables and one summary table (output tok/s, ratios,
-# acceptance and mean accepted length of the raw run). Not run by ctest
-# (minutes); figures go to docs/BENCHMARKS.md.
+# Prints bench-serve's tables and one summary table: output tok/s (prefill
+# included) and decode tok/s per stream (bench-serve's 1 / TPOT: tokens after
+# the first over first-to-last-token time), their ratios, acceptance and
+# mean accepted length of the raw run. Not run by ctest (minutes); figures
+# go to docs/BENCHMARKS.md.
 #
+#   [WORKLOADS="copy draft ..."] [K_COPY=12] \
 #   tests/bench/speculative_bench.sh [build/cli/exl3serve] [draft-tokens]
 set -euo pipefail
 BIN=${1:-build/cli/exl3serve}
 K=${2:-6}
+K_COPY=${K_COPY:-12}
+WORKLOADS=${WORKLOADS:-"copy stories rejected cycles big draft copy-big"}
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 STORIES=$SRC/../shared/models/stories260K
 TEXT=$SRC/../shared/testdata/text/tinystories_valid_first1000.txt
@@ -58,10 +71,14 @@ done
 "$BIN" --log-level warning make-test-model --arch llama --hidden 1024 --layers 8 \
   --intermediate 2816 --vocab 32000 --peaked-logits --out "$WORK/llama" >/dev/null
 "$BIN" --log-level warning make-test-model --arch qwen3 --out "$WORK/qwen3" >/dev/null
+if [[ " $WORKLOADS " == *" copy-big "* ]]; then
+  "$BIN" --log-level warning convert --in "$WORK/llama" --out "$WORK/llama-q4" --bits 4 --threads 2 \
+    --no-progress >/dev/null
+fi
 
 # Prompts (one per line, comma-separated ids: BOS, then the text's ids).
 /usr/bin/python3 - "$TEXT" "$WORK" "$BIN" <<'PY'
-import json, random, subprocess, sys
+import json, os, random, subprocess, sys
 text, work, binary = sys.argv[1:]
 stories = [s.strip() for s in open(text).read().split("<|endoftext|>") if len(s.strip()) > 200]
 def ids(t):
@@ -71,16 +88,33 @@ def write(name, prompts):
     with open(f"{work}/{name}.ids", "w") as f:
         for p in prompts:
             f.write(",".join(map(str, p)) + "\n")
-paragraphs = [s[:240].rsplit(" ", 1)[0] for s in stories[:16]]
-write("copy", [ids(f"{p}\n\n{p}\n\n{' '.join(p.split()[:6])}") for p in paragraphs])
+# Prompts of at most 256 tokens: + 256 generated fits stories260K's 512
+# positions (longer ones are refused; the next paragraphs stand in).
+copy = []
+for s in stories[:16] + stories[32:64]:
+    p = s[:240].rsplit(" ", 1)[0]
+    prompt = ids(f"{p}\n\n{p}\n\n{' '.join(p.split()[:6])}")
+    if len(prompt) <= 256 and len(copy) < 16:
+        copy.append(prompt)
+write("copy", copy)
 write("stories", [ids(s.split(".")[0] + ".") for s in stories[16:32]])
 rng = random.Random(7)
 write("rejected", [[rng.randrange(3, 512) for _ in range(12)] * 4 for _ in range(16)])
 write("big", [[rng.randrange(1, 32000) for _ in range(12)] * 4 for _ in range(16)])
 write("cycles", [[rng.randrange(1, 1000) for _ in range(12)] for _ in range(16)])
+if os.path.isdir(f"{work}/llama-q4"):
+    quoted = []
+    for _ in range(8):
+        span = [rng.randrange(1, 32000) for _ in range(12)] * 4
+        own = subprocess.check_output(
+            [binary, "--log-level", "warning", "generate", "--model", f"{work}/llama-q4",
+             "--prompt-ids", ",".join(map(str, span)), "--ids", "--max-tokens", "128",
+             "--ignore-eos", "--threads-per-rank", "2"]).split()
+        quoted.append(span + [int(t) for t in own] + span)
+    write("copy-big", quoted)
 PY
 
-declare -A TPS ACC MAL
+declare -A TPS DPS ACC MAL
 run() {  # NAME MODEL IDS STREAMS REQUESTS GEN SERVE-FLAGS...
   local name=$1 model=$2 ids=$3 streams=$4 requests=$5 gen=$6
   shift 6
@@ -103,7 +137,10 @@ run() {  # NAME MODEL IDS STREAMS REQUESTS GEN SERVE-FLAGS...
   echo "== $name: $*"
   "$BIN" bench-serve --addr "$addr" --concurrency "$streams" --requests "$requests" \
     --gen-len "$gen" --prompt-ids-file "$ids" | tee "$WORK/bench-$name.txt"
+  grep -qE "requests ok +([0-9]+) / \1$" "$WORK/bench-$name.txt" ||
+    { echo "speculative_bench: requests failed in $name"; exit 1; }
   TPS[$name]=$(sed -n 's/^  output throughput *\([0-9.]*\) tokens.*/\1/p' "$WORK/bench-$name.txt")
+  DPS[$name]=$(sed -n 's/^  decode throughput \/ stream *\([0-9.]*\) tokens.*/\1/p' "$WORK/bench-$name.txt")
   ACC[$name]=$(sed -n 's/.*accepted (\([0-9.]*\) %).*/\1/p' "$WORK/bench-$name.txt")
   MAL[$name]=$(sed -n 's/.*mean accepted length \([0-9.]*\).*/\1/p' "$WORK/bench-$name.txt")
   kill -TERM "$SERVER_PID"
@@ -111,12 +148,14 @@ run() {  # NAME MODEL IDS STREAMS REQUESTS GEN SERVE-FLAGS...
   SERVER_PID=""
 }
 
-WORKLOADS=${WORKLOADS:-"copy stories rejected cycles big draft"}  # a subset: WORKLOADS="draft copy" ...
 for workload in $WORKLOADS; do
   model=$WORK/stories ids=$WORK/$workload.ids spec=(--speculative ngram --draft-tokens "$K")
   gen=256 per_stream=32
   [ $workload = cycles ] && { model=$WORK/qwen3; per_stream=8; }
   [ $workload = big ] && { model=$WORK/llama; gen=128 per_stream=4; }
+  if [ $workload = copy-big ]; then
+    model=$WORK/llama-q4 gen=128 per_stream=4 spec=(--speculative ngram --draft-tokens "$K_COPY")
+  fi
   if [ $workload = draft ]; then
     model=$WORK/stories-q4 ids=$WORK/stories.ids
     spec=(--speculative draft --draft-model "$WORK/stories-q2" --draft-tokens "$K")
@@ -129,14 +168,16 @@ for workload in $WORKLOADS; do
   done
 done
 
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else printf "-" }'; }
 echo
-echo "| workload | streams | tok/s without drafts (ceiling) | with drafts, governed | ratio | drafts at every step (raw) | ratio | acceptance (raw) | mean accepted length (raw) |"
-echo "|---|---|---|---|---|---|---|---|---|"
+echo "| workload | streams | tok/s without drafts (ceiling) | with drafts, governed | ratio | drafts at every step (raw) | ratio | decode tok/s / stream without | governed | raw | acceptance (raw) | mean accepted length (raw) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for workload in $WORKLOADS; do
   for streams in 1 8; do
     off=${TPS[$workload-$streams-off]} gov=${TPS[$workload-$streams-gov]} raw=${TPS[$workload-$streams-raw]}
-    r1=$(awk -v a="$gov" -v b="$off" 'BEGIN { printf "%.2fx", a / b }')
-    r2=$(awk -v a="$raw" -v b="$off" 'BEGIN { printf "%.2fx", a / b }')
-    echo "| $workload | $streams | $off | $gov | $r1 | $raw | $r2 | ${ACC[$workload-$streams-raw]:-0} % | ${MAL[$workload-$streams-raw]:-} |"
+    doff=${DPS[$workload-$streams-off]} dgov=${DPS[$workload-$streams-gov]} draw=${DPS[$workload-$streams-raw]}
+    echo "| $workload | $streams | $off | $gov | $(ratio "$gov" "$off") | $raw | $(ratio "$raw" "$off") |" \
+         "$doff | $dgov ($(ratio "$dgov" "$doff")) | $draw ($(ratio "$draw" "$doff")) |" \
+         "${ACC[$workload-$streams-raw]:-0} % | ${MAL[$workload-$streams-raw]:-} |"
   done
 done
