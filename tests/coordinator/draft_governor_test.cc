@@ -16,6 +16,26 @@
 namespace exl3serve::coordinator {
 namespace {
 
+// What a decode-only step did: whether it drafted, its time, its tokens.
+struct StepOutcome {
+  bool drafted;
+  double seconds;
+  int64_t tokens;
+};
+
+// Runs `steps` decode-only steps: before each, the governor says whether
+// drafts are allowed (`on`); `step(on)` says what that step then did (each
+// test's cost model); the governor observes it.
+template <typename StepFn>
+void DriveSteps(DraftGovernor& g, int steps, StepFn step) {
+  for (int i = 0; i < steps; ++i) {
+    const bool on = g.AllowDrafts();
+    const StepOutcome s = step(on);
+    g.Observe({.drafts_allowed = on, .drafted = s.drafted, .decode_only = true,
+               .seconds = s.seconds, .tokens = s.tokens});
+  }
+}
+
 // Runs `steps` decode-only steps: a step with drafts allowed drafts and
 // costs `on_cost` per token, without `off_cost` (± `jitter` noise, 5 %).
 // Returns the steps that drafted.
@@ -23,16 +43,11 @@ int RunSteps(DraftGovernor& g, int steps, double on_cost, double off_cost, std::
              double jitter = 0.05) {
   std::uniform_real_distribution<double> noise(1 - jitter, 1 + jitter);
   int drafted = 0;
-  for (int i = 0; i < steps; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, steps, [&](bool on) {
     drafted += on;
     const int64_t tokens = on ? 12 : 8;
-    g.Observe({.drafts_allowed = on,
-               .drafted = on,
-               .decode_only = true,
-               .seconds = (on ? on_cost : off_cost) * tokens * noise(rng),
-               .tokens = tokens});
-  }
+    return StepOutcome{on, (on ? on_cost : off_cost) * tokens * noise(rng), tokens};
+  });
   return drafted;
 }
 
@@ -93,12 +108,10 @@ TEST(DraftGovernorTest, ProbeWindowsInterleaveTheModes) {
   // While on: the window's even steps are plain, its odd ones drafting.
   DraftGovernor g;
   std::string modes;
-  for (int i = 0; i < 20; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, 20, [&](bool on) {
     modes += on ? 'd' : 'p';
-    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true, .seconds = 1e-3,
-               .tokens = on ? 4 : 1});
-  }
+    return StepOutcome{on, 1e-3, on ? 4 : 1};
+  });
   EXPECT_EQ(modes, "pdpdpdpdpdpdpdpddddd");
 }
 
@@ -108,14 +121,12 @@ TEST(DraftGovernorTest, CostsThatDriftOverTimeDoNotDecide) {
   // plain per token at any one time. Comparing drafting late with plain
   // early would call it a gain; the interleaved window sees 1.2x.
   DraftGovernor g;
-  int drafted = 0;
-  for (int i = 0; i < 256; ++i) {
-    const bool on = g.AllowDrafts();
+  int drafted = 0, i = 0;
+  DriveSteps(g, 256, [&](bool on) {
     drafted += on;
-    const double base = 1e-3 * (1 + 2.0 * i / 256);
-    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true,
-               .seconds = (on ? 1.2 : 1.0) * base * 8, .tokens = 8});
-  }
+    const double base = 1e-3 * (1 + 2.0 * i++ / 256);
+    return StepOutcome{on, (on ? 1.2 : 1.0) * base * 8, 8};
+  });
   EXPECT_FALSE(g.choice());
   ASSERT_TRUE(g.drafting_cost_ratio().has_value());
   EXPECT_NEAR(*g.drafting_cost_ratio(), 1.2, 0.05);
@@ -128,15 +139,10 @@ TEST(DraftGovernorTest, GainsThatComeInBurstsAreCounted) {
   // token of the steps that drafted that is 0.21x.
   DraftGovernor g;
   int on_steps = 0;
-  for (int i = 0; i < 64 * 10; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, 64 * 10, [&](bool on) {
     const bool burst = on && ++on_steps % 8 == 1;
-    g.Observe({.drafts_allowed = on,
-               .drafted = burst,
-               .decode_only = true,
-               .seconds = burst ? 1.5e-3 : 1e-3,
-               .tokens = burst ? 7 : 1});
-  }
+    return StepOutcome{burst, burst ? 1.5e-3 : 1e-3, burst ? 7 : 1};
+  });
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 0u);
   ASSERT_TRUE(g.drafting_cost_ratio().has_value());
@@ -149,12 +155,10 @@ TEST(DraftGovernorTest, StepsAllowedToDraftThatDraftedNothingArePlain) {
   // would look 1.25x — counted by what drafted, it is 2x: a clear loss.
   DraftGovernor g;
   int on_steps = 0;
-  for (int i = 0; i < 64 * 8; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, 64 * 8, [&](bool on) {
     const bool drafts = on && ++on_steps % 4 == 0;
-    g.Observe({.drafts_allowed = on, .drafted = drafts, .decode_only = true,
-               .seconds = drafts ? 4e-3 : 1e-3, .tokens = drafts ? 2 : 1});
-  }
+    return StepOutcome{drafts, drafts ? 4e-3 : 1e-3, drafts ? 2 : 1};
+  });
   EXPECT_FALSE(g.choice());
   ASSERT_TRUE(g.drafting_cost_ratio().has_value());
   EXPECT_GT(*g.drafting_cost_ratio(), 1.5);
@@ -164,10 +168,7 @@ TEST(DraftGovernorTest, NothingDraftedDecidesNothing) {
   // An n-gram source on text that never repeats: no step drafts, nothing
   // is decided, drafting stays allowed (it costs nothing).
   DraftGovernor g;
-  for (int i = 0; i < 64 * 8; ++i) {
-    g.Observe({.drafts_allowed = g.AllowDrafts(), .drafted = false, .decode_only = true,
-               .seconds = 1e-3, .tokens = 1});
-  }
+  DriveSteps(g, 64 * 8, [](bool) { return StepOutcome{false, 1e-3, 1}; });
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.decisions(), 0u);
 }
@@ -182,14 +183,12 @@ TEST(DraftGovernorTest, AWindowsCatchUpStepIsNotSampled) {
   ASSERT_FALSE(g.choice());
   // (The first window's 2x cost delays the first probe ~9 periods: budget.)
   int plain_run = 2;  // plain steps since the last drafting step
-  for (int i = 0; i < 64 * 16; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, 64 * 16, [&](bool on) {
     double per_token = on ? 0.5e-3 : 1e-3;
     if (on && plain_run > 1) per_token *= 10;  // a window's first drafting step
     plain_run = on ? 0 : plain_run + 1;
-    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true,
-               .seconds = per_token * (on ? 12 : 8), .tokens = on ? 12 : 8});
-  }
+    return StepOutcome{on, per_token * (on ? 12 : 8), on ? 12 : 8};
+  });
   EXPECT_TRUE(g.choice());
 }
 
@@ -202,8 +201,8 @@ TEST(DraftGovernorTest, ProbesOfACostlyLosingSourceKeepToTheBudget) {
   double plain_seconds = 0, excess_seconds = 0;
   int windows = 0;
   bool previous_on = false;
-  for (int i = 0; i < 64 * 400; ++i) {
-    const bool on = g.AllowDrafts();
+  int i = 0;
+  DriveSteps(g, 64 * 400, [&](bool on) {
     const bool catch_up = on && i > 16 && !previous_on && g.choice() == false &&
                           (i % 64) == 0;  // a window's first step
     windows += catch_up;
@@ -211,10 +210,10 @@ TEST(DraftGovernorTest, ProbesOfACostlyLosingSourceKeepToTheBudget) {
     const int64_t tokens = on ? 3 : 2;
     if (on && i >= 16) excess_seconds += seconds - tokens * 0.5e-3;
     if (!on) plain_seconds += seconds;
-    g.Observe({.drafts_allowed = on, .drafted = on, .decode_only = true, .seconds = seconds,
-               .tokens = tokens});
     previous_on = on;
-  }
+    ++i;
+    return StepOutcome{on, seconds, tokens};
+  });
   EXPECT_FALSE(g.choice());
   EXPECT_GE(windows, 3);  // it still probes
   EXPECT_LE(excess_seconds, 0.025 * plain_seconds) << windows << " probe windows";
@@ -264,14 +263,12 @@ TEST(DraftGovernorTest, FewDraftingStepsAWindowAddUpBeforeDeciding) {
   // with 8 drafting samples over 4 windows it says "on" and never switched.
   DraftGovernor g;
   int allowed = 0;
-  for (int i = 0; i < 64 * 12; ++i) {
-    const bool on = g.AllowDrafts();
+  DriveSteps(g, 64 * 12, [&](bool on) {
     const bool drafts = on && ++allowed % 4 == 0;
     const double per_token = !drafts ? 1e-3 : (allowed <= 8 ? 2e-3 : 0.6e-3);
     const int64_t tokens = drafts ? 4 : 1;
-    g.Observe({.drafts_allowed = on, .drafted = drafts, .decode_only = true,
-               .seconds = per_token * tokens, .tokens = tokens});
-  }
+    return StepOutcome{drafts, per_token * tokens, tokens};
+  });
   EXPECT_TRUE(g.choice());
   EXPECT_EQ(g.switches(), 0u);
   EXPECT_GE(g.decisions(), 1u);
