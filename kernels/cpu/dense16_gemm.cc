@@ -13,7 +13,9 @@
 
 namespace exl3serve::kernels::cpu {
 
-void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float* dst) {
+namespace internal {
+
+void Dense16ToFloatScalar(const uint16_t* src, Dense16Type type, int64_t count, float* dst) {
   for (int64_t i = 0; i < count; ++i) {
     if (type == Dense16Type::kBf16) {
       const uint32_t bits = static_cast<uint32_t>(src[i]) << 16;
@@ -22,6 +24,18 @@ void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float*
       dst[i] = HalfBitsToFloat(src[i]);
     }
   }
+}
+
+}  // namespace internal
+
+void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float* dst) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (count >= 8 && ActiveCpuIsa() != CpuIsa::kScalar) {
+    avx2::Dense16ToFloat(src, type, count, dst);
+    return;
+  }
+#endif
+  internal::Dense16ToFloatScalar(src, type, count, dst);
 }
 
 void FloatToDense16(const float* src, Dense16Type type, int64_t count, uint16_t* dst) {

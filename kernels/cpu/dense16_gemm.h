@@ -44,7 +44,10 @@ void Dense16GemmTransposed(const float* x, int64_t m, int64_t k, const uint16_t*
                            int max_threads = 0);
 
 // 16-bit pattern -> float, exact (bf16: << 16; fp16: every value incl.
-// subnormals, Inf, NaN).
+// subnormals, Inf, NaN — signalling NaNs keep their bits too). Vectorized
+// on AVX2 CPUs (integer ops, bit-identical to the scalar reference
+// internal::Dense16ToFloatScalar on all 65 536 patterns); what the KV cache
+// runs to read fp16 pages (worker/model/kv_cache.cc).
 void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float* dst);
 // float -> 16-bit pattern with round-to-nearest-even (bf16 NaN stays a
 // quiet NaN). Exact (bit-identical round trip) for values that are
@@ -52,6 +55,8 @@ void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float*
 void FloatToDense16(const float* src, Dense16Type type, int64_t count, uint16_t* dst);
 
 namespace internal {
+// The scalar reference of Dense16ToFloat (every CPU).
+void Dense16ToFloatScalar(const uint16_t* src, Dense16Type type, int64_t count, float* dst);
 // One task's work, shared by the variants: outputs [o0, o1) for all m rows.
 struct Dense16Problem {
   const float* x;
@@ -70,6 +75,7 @@ void Dense16Columns(const internal::Dense16Problem& p, int64_t o0, int64_t o1);
 }
 namespace avx2 {
 void Dense16Columns(const internal::Dense16Problem& p, int64_t o0, int64_t o1);
+void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float* dst);
 }
 namespace avx512 {
 void Dense16Columns(const internal::Dense16Problem& p, int64_t o0, int64_t o1);

@@ -118,4 +118,37 @@ void Dense16Columns(const internal::Dense16Problem& p, int64_t o0, int64_t o1) {
   }
 }
 
+// fp16 -> float with integer ops (not vcvtph2ps, which quiets signalling
+// NaNs): the exponent and mantissa move up 13 bits and the exponent is
+// rebased (+112, or +224 for Inf/NaN: 31 -> 255); zero and subnormal halves
+// are mantissa x 2^-24, exact in float; the sign moves to bit 31.
+static inline __m256i HalfToFloatBits(__m128i h8) {
+  const __m256i h = _mm256_cvtepu16_epi32(h8);
+  const __m256i magnitude = _mm256_and_si256(h, _mm256_set1_epi32(0x7FFF));
+  const __m256i shifted = _mm256_slli_epi32(magnitude, 13);
+  const __m256i exponent = _mm256_and_si256(h, _mm256_set1_epi32(0x7C00));
+  const __m256i is_max = _mm256_cmpeq_epi32(exponent, _mm256_set1_epi32(0x7C00));
+  const __m256i is_min = _mm256_cmpeq_epi32(exponent, _mm256_setzero_si256());
+  const __m256i rebase = _mm256_blendv_epi8(_mm256_set1_epi32(112 << 23),
+                                            _mm256_set1_epi32(224 << 23), is_max);
+  const __m256i normal = _mm256_add_epi32(shifted, rebase);
+  const __m256 tiny = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude),
+                                    _mm256_set1_ps(5.9604644775390625e-8f));  // 2^-24
+  const __m256i value = _mm256_blendv_epi8(normal, _mm256_castps_si256(tiny), is_min);
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+  return _mm256_or_si256(value, sign);
+}
+
+void Dense16ToFloat(const uint16_t* src, Dense16Type type, int64_t count, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256i bits = type == Dense16Type::kBf16
+                             ? _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)
+                             : HalfToFloatBits(h);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), bits);
+  }
+  if (i < count) internal::Dense16ToFloatScalar(src + i, type, count - i, dst + i);
+}
+
 }  // namespace exl3serve::kernels::cpu::avx2

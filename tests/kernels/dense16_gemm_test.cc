@@ -4,6 +4,7 @@
 // 16-bit <-> float conversions.
 #include "kernels/cpu/dense16_gemm.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -138,6 +139,38 @@ TEST(Dense16Gemm, EmptyInputGivesBias) {
   c.bias = {1.5f, -2.0f, 0.25f};
   const std::vector<float> y = RunGemm(c, 2, 0, 3, Type::kBf16);
   EXPECT_EQ(y, (std::vector<float>{1.5f, -2.0f, 0.25f, 1.5f, -2.0f, 0.25f}));
+}
+
+TEST(Dense16Gemm, VectorConversionIsBitwiseTheScalarOneOnEveryPattern) {
+  // Every 16-bit pattern (signalling NaNs included: the vector path must
+  // not quiet them), converted from odd offsets and lengths so that both
+  // the 8-lane body and the scalar tail run; the output is poisoned first.
+  std::vector<uint16_t> bits(65536 + 13);
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = static_cast<uint16_t>(i * 40503u + 7u);
+  for (Type type : {Type::kBf16, Type::kF16}) {
+    for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (!CpuSupportsIsa(isa)) {
+        GTEST_LOG_(INFO) << "skipping " << CpuIsaName(isa) << ": not supported here";
+        continue;
+      }
+      ASSERT_TRUE(SetCpuIsaOverride(isa).ok());
+      for (int64_t offset : {0, 3}) {
+        for (int64_t count : {int64_t{65536}, int64_t{7}, int64_t{8}, int64_t{29}}) {
+          std::vector<float> ref(count), got(count, std::numeric_limits<float>::quiet_NaN());
+          internal::Dense16ToFloatScalar(bits.data() + offset, type, count, ref.data());
+          Dense16ToFloat(bits.data() + offset, type, count, got.data());
+          ASSERT_EQ(std::memcmp(ref.data(), got.data(), sizeof(float) * count), 0)
+              << CpuIsaName(isa) << " type " << static_cast<int>(type) << " offset " << offset
+              << " count " << count;
+        }
+      }
+    }
+    ASSERT_TRUE(SetCpuIsaOverride(std::nullopt).ok());
+  }
+  // Every pattern is there (the multiplier is odd: a permutation mod 2^16).
+  std::vector<uint8_t> seen(65536, 0);
+  for (int i = 0; i < 65536; ++i) seen[bits[i]] = 1;
+  EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), 65536);
 }
 
 TEST(Dense16Gemm, ConversionsRoundTripEveryPattern) {

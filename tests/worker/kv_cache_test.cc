@@ -122,6 +122,44 @@ TEST(PagedKvCacheTest, PositionsReadBackTheSameWhetherWrittenInChunksOrAlone) {
   EXPECT_TRUE(std::equal(mid.begin(), mid.end(), a.begin() + 3 * kEntry));
 }
 
+TEST(PagedKvCacheTest, LongReadsSplitOverPagesAndThreadsReadEveryValue) {
+  // 1 237 positions on pages of 16 (78 pages, the first and last read
+  // partially): 73 k values per read, past the size that splits pages over
+  // the thread pool. fp32 and fp16 against the exact per-value reference,
+  // the int formats against reading each position alone (one page, one
+  // thread); outputs poisoned.
+  constexpr int64_t kPositions = 1237, kBegin = 5, kEnd = 1230;
+  const std::vector<float> k = Random(kPositions * kEntry, 7), v = Random(kPositions * kEntry, 8);
+  for (KvCacheDtype dtype : {KvCacheDtype::kFp32, KvCacheDtype::kFp16, KvCacheDtype::kInt8,
+                             KvCacheDtype::kInt4}) {
+    PagedKvCache cache = Make(dtype, 80, 16);
+    ASSERT_TRUE(cache.AddSequence(0).ok());
+    ASSERT_TRUE(cache.Reserve(0, kPositions).ok());
+    cache.Write(0, 1, 0, kPositions, k.data(), v.data());
+    const int64_t n = (kEnd - kBegin) * kEntry;
+    std::vector<float> k2(n, std::nanf("")), v2(n, std::nanf(""));
+    cache.Read(0, 1, kBegin, kEnd, k2.data(), v2.data());
+    for (int64_t pos = kBegin; pos < kEnd; ++pos) {
+      std::vector<float> k1(kEntry, std::nanf("")), v1(kEntry, std::nanf(""));
+      cache.Read(0, 1, pos, pos + 1, k1.data(), v1.data());
+      for (int64_t i = 0; i < kEntry; ++i) {
+        const int64_t at = (pos - kBegin) * kEntry + i, src = pos * kEntry + i;
+        float want_k = k1[i], want_v = v1[i];
+        if (dtype == KvCacheDtype::kFp32) {
+          want_k = k[src];
+          want_v = v[src];
+        } else if (dtype == KvCacheDtype::kFp16) {
+          want_k = kernels::HalfBitsToFloat(kernels::FloatToHalfBits(k[src]));
+          want_v = kernels::HalfBitsToFloat(kernels::FloatToHalfBits(v[src]));
+        }
+        ASSERT_EQ(k2[at], want_k) << "dtype " << static_cast<int>(dtype) << " position " << pos;
+        ASSERT_EQ(v2[at], want_v) << "dtype " << static_cast<int>(dtype) << " position " << pos;
+        ASSERT_EQ(k1[i], k2[at]);
+      }
+    }
+  }
+}
+
 PagedKvCache MakeAssigned(int64_t pages, int page_size) {
   KvCacheOptions options;
   options.dtype = KvCacheDtype::kFp32;

@@ -9,6 +9,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "kernels/cpu/dense16_gemm.h"
+#include "kernels/cpu/thread_pool.h"
 #include "kernels/trellis_decode.h"
 
 namespace exl3serve::worker {
@@ -20,14 +22,6 @@ void StoreFp16(const float* x, int n, uint8_t* out) {
   for (int i = 0; i < n; ++i) {
     const uint16_t h = kernels::FloatToHalfBits(x[i]);
     std::memcpy(out + 2 * i, &h, 2);
-  }
-}
-
-void LoadFp16(const uint8_t* in, int n, float* x) {
-  for (int i = 0; i < n; ++i) {
-    uint16_t h;
-    std::memcpy(&h, in + 2 * i, 2);
-    x[i] = kernels::HalfBitsToFloat(h);
   }
 }
 
@@ -343,6 +337,41 @@ void PagedKvCache::Write(int64_t seq_id, int layer, int64_t start, int64_t count
   }
 }
 
+void PagedKvCache::ReadRun(int64_t page, int layer, int64_t slot, int64_t count, float* k,
+                           float* v) const {
+  for (int which = 0; which < 2; ++which) {
+    const int hd = which == 0 ? shape_.head_dim : shape_.v_dim();
+    float* dst = which == 0 ? k : v;
+    const int64_t entries = count * shape_.num_kv_heads;
+    const uint8_t* run = EntryPtr(page, layer, which, slot, 0);
+    if (options_.dtype == KvCacheDtype::kFp32) {
+      std::memcpy(dst, run, sizeof(float) * static_cast<size_t>(entries * hd));
+      continue;
+    }
+    if (options_.dtype == KvCacheDtype::kFp16) {
+      kernels::cpu::Dense16ToFloat(reinterpret_cast<const uint16_t*>(run),
+                                   kernels::cpu::Dense16Type::kF16, entries * hd, dst);
+      continue;
+    }
+    const int64_t stride = EntryStride(hd);
+    for (int64_t e = 0; e < entries; ++e) {
+      const uint8_t* entry = run + e * stride;
+      float* x = dst + e * hd;
+      float scale;
+      std::memcpy(&scale, entry, kScaleBytes);
+      const uint8_t* data = entry + kScaleBytes;
+      if (options_.dtype == KvCacheDtype::kInt8) {
+        for (int i = 0; i < hd; ++i) x[i] = scale * static_cast<float>(static_cast<int8_t>(data[i]));
+      } else {
+        for (int i = 0; i < hd; i += 2) {
+          x[i] = scale * static_cast<float>((data[i / 2] & 0xF) - 8);
+          x[i + 1] = scale * static_cast<float>((data[i / 2] >> 4) - 8);
+        }
+      }
+    }
+  }
+}
+
 void PagedKvCache::Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k,
                         float* v) const {
   const Sequence& seq = Get(seq_id);
@@ -350,36 +379,25 @@ void PagedKvCache::Read(int64_t seq_id, int layer, int64_t begin, int64_t end, f
   EXL3_CHECK(layer >= 0 && layer < shape_.num_layers && begin >= 0 && begin <= end &&
              end <= static_cast<int64_t>(seq.pages.size()) * page_size)
       << "read of [" << begin << ", " << end << ") beyond reserved pages";
-  for (int64_t pos = begin; pos < end; ++pos) {
-    const int64_t page = seq.pages[pos / page_size];
-    const int64_t slot = pos % page_size;
-    for (int which = 0; which < 2; ++which) {
-      const int hd = which == 0 ? shape_.head_dim : shape_.v_dim();
-      float* dst = (which == 0 ? k : v) + (pos - begin) * shape_.num_kv_heads * hd;
-      for (int h = 0; h < shape_.num_kv_heads; ++h) {
-        const uint8_t* entry = EntryPtr(page, layer, which, slot, h);
-        float* x = dst + int64_t{h} * hd;
-        if (options_.dtype == KvCacheDtype::kFp32) {
-          std::memcpy(x, entry, sizeof(float) * hd);
-          continue;
-        }
-        if (options_.dtype == KvCacheDtype::kFp16) {
-          LoadFp16(entry, hd, x);
-          continue;
-        }
-        float scale;
-        std::memcpy(&scale, entry, kScaleBytes);
-        const uint8_t* data = entry + kScaleBytes;
-        if (options_.dtype == KvCacheDtype::kInt8) {
-          for (int i = 0; i < hd; ++i) x[i] = scale * static_cast<float>(static_cast<int8_t>(data[i]));
-        } else {
-          for (int i = 0; i < hd; i += 2) {
-            x[i] = scale * static_cast<float>((data[i / 2] & 0xF) - 8);
-            x[i + 1] = scale * static_cast<float>((data[i / 2] >> 4) - 8);
-          }
-        }
-      }
-    }
+  if (begin == end) return;
+  const int64_t first_page = begin / page_size;
+  const int64_t pages = (end - 1) / page_size - first_page + 1;
+  const int64_t k_row = int64_t{shape_.num_kv_heads} * shape_.head_dim;
+  const int64_t v_row = int64_t{shape_.num_kv_heads} * shape_.v_dim();
+  auto read_page = [&](int64_t i, int /*worker*/) {
+    const int64_t p = first_page + i;
+    const int64_t lo = std::max(begin, p * page_size);
+    const int64_t hi = std::min(end, (p + 1) * page_size);
+    ReadRun(seq.pages[p], layer, lo % page_size, hi - lo, k + (lo - begin) * k_row,
+            v + (lo - begin) * v_row);
+  };
+  // Below ~64 K values a read is a few microseconds: waking the pool would
+  // cost more than it saves.
+  constexpr int64_t kParallelValues = int64_t{1} << 16;
+  if (pages > 1 && (end - begin) * (k_row + v_row) >= kParallelValues) {
+    kernels::cpu::SharedThreadPool().ParallelFor(pages, 0, read_page);
+  } else {
+    for (int64_t i = 0; i < pages; ++i) read_page(i, 0);
   }
 }
 

@@ -134,6 +134,10 @@ class PagedKvCache {
 
   // Reads positions [begin, end) of `layer` into k and v, laid out as in
   // Write. Requires: the positions are reserved (CHECKed) and were written.
+  // A page's run of positions is one contiguous block of entries: fp32
+  // copies it, fp16 converts it in one vectorized call; a long read
+  // (attention at long contexts reads the whole context every step) splits
+  // its pages over the shared CPU thread pool.
   void Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k, float* v) const;
 
   // Sets the committed length. Requires: length <= reserved capacity.
@@ -153,6 +157,9 @@ class PagedKvCache {
   uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head);
   const uint8_t* EntryPtr(int64_t page, int layer, int which, int64_t slot, int head) const;
   const Sequence& Get(int64_t seq_id) const;
+  // Read's work for `count` positions from `slot` of one page (the run of
+  // entries [slot, slot + count) x heads is contiguous in the page).
+  void ReadRun(int64_t page, int layer, int64_t slot, int64_t count, float* k, float* v) const;
 
   KvCacheShape shape_;
   KvCacheOptions options_;
