@@ -42,13 +42,21 @@
 # mean accepted length of the raw run. Not run by ctest (minutes); figures
 # go to docs/BENCHMARKS.md.
 #
-#   [WORKLOADS="copy draft ..."] [K_COPY=12] \
+# PAIRS=N (default 1) runs the ceiling and the governed server N times each,
+# alternating (off gov, gov off, off gov, ...: neither is always first), and
+# the summary gives medians: tok/s of each, and the ratio as the median of
+# the N paired ratios; a second table lists every pair's decode ratio and
+# the spread between the ceiling's own runs (max / min of its N runs: what
+# the same server measures twice, the noise a single ratio carries).
+#
+#   [WORKLOADS="copy draft ..."] [K_COPY=12] [PAIRS=1] \
 #   tests/bench/speculative_bench.sh [build/cli/exl3serve] [draft-tokens]
 set -euo pipefail
 BIN=${1:-build/cli/exl3serve}
 K=${2:-6}
 K_COPY=${K_COPY:-12}
 WORKLOADS=${WORKLOADS:-"copy stories rejected cycles big draft copy-big"}
+PAIRS=${PAIRS:-1}
 SRC=$(cd "$(dirname "$0")/../.." && pwd)
 STORIES=$SRC/../shared/models/stories260K
 TEXT=$SRC/../shared/testdata/text/tinystories_valid_first1000.txt
@@ -162,22 +170,65 @@ for workload in $WORKLOADS; do
   fi
   for streams in 1 8; do
     requests=$((streams == 1 ? per_stream : per_stream * 2))
-    run "$workload-$streams-off" "$model" "$ids" $streams $requests $gen
-    run "$workload-$streams-gov" "$model" "$ids" $streams $requests $gen "${spec[@]}"
+    for pair in $(seq "$PAIRS"); do
+      if ((pair % 2)); then
+        run "$workload-$streams-off-$pair" "$model" "$ids" $streams $requests $gen
+        run "$workload-$streams-gov-$pair" "$model" "$ids" $streams $requests $gen "${spec[@]}"
+      else
+        run "$workload-$streams-gov-$pair" "$model" "$ids" $streams $requests $gen "${spec[@]}"
+        run "$workload-$streams-off-$pair" "$model" "$ids" $streams $requests $gen
+      fi
+    done
     run "$workload-$streams-raw" "$model" "$ids" $streams $requests $gen "${spec[@]}" --no-draft-governor
   done
 done
 
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else printf "-" }'; }
+# median VALUES... (empty if none)
+median() { printf '%s\n' "$@" | sort -g | awk 'NF { v[n++] = $1 } END { if (n) printf "%.6g", n % 2 ? v[(n - 1) / 2] : (v[n / 2 - 1] + v[n / 2]) / 2 }'; }
+# median_ratio ARRAY WORKLOAD STREAMS: median over pairs of gov_i / off_i
+median_ratio() {
+  local -n values=$1
+  local pair list=()
+  for pair in $(seq "$PAIRS"); do
+    list+=("$(awk -v a="${values[$2-$3-gov-$pair]}" -v b="${values[$2-$3-off-$pair]}" 'BEGIN { if (b > 0) printf "%.4f", a / b }')")
+  done
+  median "${list[@]}" | awk '{ printf "%.2fx", $1 }'
+}
 echo
 echo "| workload | streams | tok/s without drafts (ceiling) | with drafts, governed | ratio | drafts at every step (raw) | ratio | decode tok/s / stream without | governed | raw | acceptance (raw) | mean accepted length (raw) |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
 for workload in $WORKLOADS; do
   for streams in 1 8; do
-    off=${TPS[$workload-$streams-off]} gov=${TPS[$workload-$streams-gov]} raw=${TPS[$workload-$streams-raw]}
-    doff=${DPS[$workload-$streams-off]} dgov=${DPS[$workload-$streams-gov]} draw=${DPS[$workload-$streams-raw]}
-    echo "| $workload | $streams | $off | $gov | $(ratio "$gov" "$off") | $raw | $(ratio "$raw" "$off") |" \
-         "$doff | $dgov ($(ratio "$dgov" "$doff")) | $draw ($(ratio "$draw" "$doff")) |" \
+    offs=() govs=() doffs=() dgovs=()
+    for pair in $(seq "$PAIRS"); do
+      offs+=("${TPS[$workload-$streams-off-$pair]}") govs+=("${TPS[$workload-$streams-gov-$pair]}")
+      doffs+=("${DPS[$workload-$streams-off-$pair]}") dgovs+=("${DPS[$workload-$streams-gov-$pair]}")
+    done
+    off=$(median "${offs[@]}" | awk '{ printf "%.1f", $1 }') raw=${TPS[$workload-$streams-raw]}
+    gov=$(median "${govs[@]}" | awk '{ printf "%.1f", $1 }')
+    doff=$(median "${doffs[@]}" | awk '{ printf "%.1f", $1 }') draw=${DPS[$workload-$streams-raw]}
+    dgov=$(median "${dgovs[@]}" | awk '{ printf "%.1f", $1 }')
+    echo "| $workload | $streams | $off | $gov | $(median_ratio TPS "$workload" "$streams") | $raw | $(ratio "$raw" "$off") |" \
+         "$doff | $dgov ($(median_ratio DPS "$workload" "$streams")) | $draw ($(ratio "$draw" "$doff")) |" \
          "${ACC[$workload-$streams-raw]:-0} % | ${MAL[$workload-$streams-raw]:-} |"
   done
 done
+if ((PAIRS > 1)); then
+  echo
+  echo "Pairs (decode tok/s per stream, governed / without drafts, in run order; spread of the ceiling's own runs = max / min):"
+  echo
+  echo "| workload | streams | governed / without, each pair | median | ceiling spread |"
+  echo "|---|---|---|---|---|"
+  for workload in $WORKLOADS; do
+    for streams in 1 8; do
+      list="" doffs=()
+      for pair in $(seq "$PAIRS"); do
+        list+="$(ratio "${DPS[$workload-$streams-gov-$pair]}" "${DPS[$workload-$streams-off-$pair]}") "
+        doffs+=("${DPS[$workload-$streams-off-$pair]}")
+      done
+      spread=$(printf '%s\n' "${doffs[@]}" | sort -g | awk 'NR == 1 { lo = $1 } { hi = $1 } END { if (lo > 0) printf "%.2fx", hi / lo }')
+      echo "| $workload | $streams | $list| $(median_ratio DPS "$workload" "$streams") | $spread |"
+    done
+  done
+fi
