@@ -25,8 +25,33 @@ void AddHttpFlags(CLI::App& app, HttpFlags* flags) {
                  "think, none")
       ->capture_default_str();
   app.add_option("--http-threads", flags->threads,
-                 "HTTP connections served at once (each live stream holds one)")
+                 "HTTP requests handled at once (each live stream holds one; idle and slow "
+                 "connections hold none)")
       ->capture_default_str();
+  app.add_option("--http-listen-backlog", flags->listen_backlog,
+                 "connections the kernel queues before they are accepted (capped by net.core.somaxconn)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_option("--http-max-connections", flags->max_connections,
+                 "open HTTP connections; beyond it a new one gets 503 + Retry-After")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 24));
+  app.add_option("--http-max-connections-per-ip", flags->max_connections_per_ip,
+                 "open HTTP connections from one client address; beyond it 503 + Retry-After")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 24));
+  app.add_option("--http-head-timeout", flags->head_timeout_s,
+                 "seconds for a request's line and headers (and the TLS handshake) to arrive; then 408")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--http-request-timeout", flags->request_timeout_s,
+                 "seconds for a whole request, body included, to arrive; then 408")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 3600.0));
+  app.add_option("--http-idle-timeout", flags->idle_timeout_s,
+                 "seconds a keep-alive connection may wait without a request before it is closed")
+      ->capture_default_str()
+      ->check(CLI::Range(0.01, 86400.0));
 }
 
 absl::StatusOr<std::unique_ptr<coordinator::http::HttpServer>> StartHttpServer(
@@ -48,6 +73,12 @@ absl::StatusOr<std::unique_ptr<coordinator::http::HttpServer>> StartHttpServer(
   options.tls_client_ca_file = grpc.tls.client_ca_file;
   options.auth_token_file = grpc.auth_token_file;
   options.threads = flags.threads;
+  options.listen_backlog = flags.listen_backlog;
+  options.max_connections = flags.max_connections;
+  options.max_connections_per_ip = flags.max_connections_per_ip;
+  options.head_timeout = absl::Seconds(flags.head_timeout_s);
+  options.request_timeout = absl::Seconds(flags.request_timeout_s);
+  options.idle_timeout = absl::Seconds(flags.idle_timeout_s);
   options.tool_call_parser = flags.tool_call_parser;
   options.reasoning_parser = flags.reasoning_parser;
   options.system_fingerprint = "exl3serve";

@@ -1,6 +1,8 @@
 // cli/http_flags.h — the OpenAI HTTP API flags that `serve` and
 // `coordinator` share (--http-port, --http-host, --served-model-name,
-// --tool-call-parser, --reasoning-parser, --http-threads) and the server
+// --tool-call-parser, --reasoning-parser, --http-threads, the connection
+// limits and deadlines --http-listen-backlog, --http-max-connections,
+// --http-max-connections-per-ip, --http-{head,request,idle}-timeout) and the server
 // they start beside the gRPC API, with the gRPC API's credentials (TLS
 // files, bearer token) and listen policy.
 //
@@ -31,6 +33,13 @@ struct HttpFlags {
   std::string tool_call_parser = "auto";
   std::string reasoning_parser = "auto";
   int threads = 512;
+  // The connection layer's limits (coordinator/http/http1_server.h).
+  int listen_backlog = 4096;
+  size_t max_connections = 8192;
+  size_t max_connections_per_ip = 1024;
+  double head_timeout_s = 10;
+  double request_timeout_s = 60;
+  double idle_timeout_s = 60;
   bool enabled() const { return port >= 0; }
 };
 

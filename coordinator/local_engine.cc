@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/tokenizer/chat_template.h"
+#include "common/json_depth.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
 #include "nlohmann/json.hpp"
@@ -178,6 +179,10 @@ absl::StatusOr<std::string> LocalEngine::RenderChat(const v1::ChatInput& chat) c
         if (c.function_name().empty()) {
           return Invalid(absl::StrCat(field, ".tool_calls[", k, "].function_name"), "is empty");
         }
+        if (auto deep = FindJsonNestingBeyond(c.arguments_json())) {
+          return Invalid(JoinJsonPath(absl::StrCat(field, ".tool_calls[", k, "].arguments_json"), deep->path),
+                         absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
+        }
         ojson arguments = ojson::parse(c.arguments_json(), nullptr, /*allow_exceptions=*/false);
         if (arguments.is_discarded() || !arguments.is_object()) arguments = c.arguments_json();
         calls.push_back({{"id", c.id()},
@@ -198,6 +203,12 @@ absl::StatusOr<std::string> LocalEngine::RenderChat(const v1::ChatInput& chat) c
       return Invalid("chat.continue_final_message", "the last message must be an assistant message");
     }
     options.add_generation_prompt = false;
+  }
+  for (const auto& [text, name] : {std::pair{&chat.tools_json(), "chat.tools_json"},
+                                   std::pair{&chat.template_kwargs_json(), "chat.template_kwargs_json"}}) {
+    if (auto deep = FindJsonNestingBeyond(*text)) {
+      return Invalid(JoinJsonPath(name, deep->path), absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels"));
+    }
   }
   if (!chat.tools_json().empty()) {
     options.tools = ojson::parse(chat.tools_json(), nullptr, false);

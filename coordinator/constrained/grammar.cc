@@ -44,6 +44,12 @@ void Grammar::AddAlternative(uint32_t rule, Sequence sequence) {
         "constraint grammar exceeds ", kMaxGrammarElements, " elements (kMaxGrammarElements)")));
     return;
   }
+  if (rules_[rule].alternatives.size() >= kMaxRuleAlternatives) {
+    SetError(absl::ResourceExhaustedError(absl::StrCat(
+        "'", rules_[rule].name, "' has more than ", kMaxRuleAlternatives,
+        " alternatives (kMaxRuleAlternatives: the matcher follows at most that many parses at once)")));
+    return;
+  }
   rules_[rule].alternatives.push_back(std::move(sequence));
 }
 

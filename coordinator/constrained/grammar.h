@@ -43,6 +43,12 @@ namespace exl3serve::coordinator::constrained {
 
 // Size limits for one compiled constraint (each error names its limit).
 inline constexpr size_t kMaxGrammarElements = size_t{1} << 20;
+// Alternatives of one rule. The matcher follows at most kMaxStacks (pda.h,
+// equal) parses at once, and the alternatives of one rule that share a first
+// byte (every string of a JSON enum starts with '"') are all alive after it:
+// a rule with more is refused when it is compiled, at admission, instead of
+// failing at the first token that reaches it.
+inline constexpr size_t kMaxRuleAlternatives = 2048;
 inline constexpr size_t kMaxGrammarRules = size_t{1} << 18;
 
 // A set of byte values.

@@ -29,6 +29,7 @@ namespace exl3serve::coordinator::constrained {
 
 // Most stacks one state may hold (an ambiguous grammar multiplies them).
 inline constexpr size_t kMaxStacks = 2048;
+static_assert(kMaxStacks == kMaxRuleAlternatives, "a rule's alternatives must fit in the stacks");
 
 // A return position (continue at `pos` once the called rule ends) over the
 // rest of the stack.

@@ -1,12 +1,5 @@
 #include "coordinator/http/http_server.h"
 
-#include <arpa/inet.h>
-#include <dirent.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -21,11 +14,11 @@
 #include "absl/time/clock.h"
 #include "common/logging.h"
 #include "common/status_macros.h"
+#include "coordinator/http/http1_server.h"
 #include "coordinator/http/openai_request.h"
 #include "coordinator/http/openai_session.h"
 #include "coordinator/http/tool_call_parser.h"
 #include "coordinator/tokenizer/tokenizer.h"
-#include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -59,71 +52,17 @@ bool ConstantTimeEquals(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-// The socket of the connection `req` came on: httplib 0.11.4 hands handlers
-// no socket, so it is found by its address pair among this process's
-// descriptors (unique: one TCP connection per local/remote address pair).
-// -1 when not found (then only failed writes reveal a gone client).
-int FindConnectionSocket(const httplib::Request& req) {
-#ifdef CPPHTTPLIB_OPENSSL_SUPPORT
-  if (req.ssl != nullptr) return SSL_get_fd(req.ssl);
-#endif
-  auto same = [](const sockaddr_storage& a, const std::string& host, int port) {
-    char text[INET6_ADDRSTRLEN] = {};
-    int p = -1;
-    if (a.ss_family == AF_INET) {
-      const auto* in = reinterpret_cast<const sockaddr_in*>(&a);
-      inet_ntop(AF_INET, &in->sin_addr, text, sizeof text);
-      p = ntohs(in->sin_port);
-    } else if (a.ss_family == AF_INET6) {
-      const auto* in6 = reinterpret_cast<const sockaddr_in6*>(&a);
-      inet_ntop(AF_INET6, &in6->sin6_addr, text, sizeof text);
-      p = ntohs(in6->sin6_port);
-    } else {
-      return false;
-    }
-    return p == port && host == text;
-  };
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return -1;
-  int found = -1;
-  while (dirent* e = readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0' || fd == dirfd(dir)) continue;
-    sockaddr_storage local = {}, peer = {};
-    socklen_t ll = sizeof local, pl = sizeof peer;
-    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&local), &ll) != 0) continue;
-    if (!same(local, req.local_addr, req.local_port)) continue;
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &pl) != 0) continue;
-    if (!same(peer, req.remote_addr, req.remote_port)) continue;
-    found = static_cast<int>(fd);
-    break;
-  }
-  closedir(dir);
-  return found;
-}
-
-// True when the peer of `fd` closed its side (EOF or an error). Data the
-// client sent ahead (a pipelined request) is not a close.
-bool PeerClosed(int fd) {
-  if (fd < 0) return false;
-  pollfd p = {fd, POLLIN | POLLRDHUP, 0};
-  if (::poll(&p, 1, 0) <= 0) return false;
-  if (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) return true;
-  if (p.revents & POLLIN) {
-    char byte;
-    const ssize_t n = ::recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-    return n == 0;
-  }
-  return false;
-}
-
 std::string_view StatusText(int status) {
   switch (status) {
     case 400: return "invalid_request_error";
     case 401: return "authentication_error";
     case 404: return "not_found_error";
+    case 405: return "invalid_request_error";
+    case 408: return "invalid_request_error";
+    case 411: return "invalid_request_error";
     case 413: return "invalid_request_error";
+    case 417: return "invalid_request_error";
+    case 431: return "invalid_request_error";
     case 429: return "rate_limit_error";
     case 503: return "service_unavailable_error";
     default: return "server_error";
@@ -135,8 +74,7 @@ std::string_view StatusText(int status) {
 struct HttpServer::Impl {
   Engine* engine = nullptr;
   HttpServerOptions options;
-  std::unique_ptr<httplib::Server> server;
-  std::thread listener;
+  std::unique_ptr<Http1Server> server;
   int port = 0;
   std::string auth_token;
   ToolCallFormat tool_format = ToolCallFormat::kNone;
@@ -183,13 +121,14 @@ struct HttpServer::Impl {
         .Increment();
   }
 
-  void SendError(httplib::Response& res, const ApiError& e) {
-    res.status = e.status;
-    if (e.retry_after_seconds > 0) res.set_header("Retry-After", absl::StrCat(e.retry_after_seconds));
+  static void SendError(ResponseWriter& w, const ApiError& e) {
+    HttpHeaders headers;
+    if (e.retry_after_seconds > 0) headers.push_back({"Retry-After", absl::StrCat(e.retry_after_seconds)});
     // 501 is not worth a retry; the openai client honours x-should-retry.
-    if (e.status == 501) res.set_header("x-should-retry", "false");
-    res.set_content(ErrorJson(e), "application/json");
+    if (e.status == 501) headers.push_back({"x-should-retry", "false"});
+    w.Send(e.status, "application/json", ErrorJson(e), headers);
   }
+  static void SendJson(ResponseWriter& w, const std::string& body) { w.Send(200, "application/json", body); }
   static ApiError Error(int status, std::string message, std::string code = "") {
     ApiError e;
     e.status = status;
@@ -200,9 +139,10 @@ struct HttpServer::Impl {
   }
 
   // 401 unless the request carries the bearer token (when one is set).
-  bool Authorized(const httplib::Request& req, httplib::Response& res) {
+  bool Authorized(const HttpRequest& req, ResponseWriter& res) {
     if (auth_token.empty()) return true;
-    const std::string header = req.get_header_value("Authorization");
+    const std::string* h = req.Header("authorization");
+    const std::string header = h == nullptr ? "" : *h;
     if (header.empty()) {
       SendError(res, Error(401, "missing bearer token (Authorization: Bearer <token>)", "invalid_api_key"));
       return false;
@@ -215,7 +155,7 @@ struct HttpServer::Impl {
   }
 
   // 503 unless the engine is ready and the server not draining.
-  bool Serving(httplib::Response& res) {
+  bool Serving(ResponseWriter& res) {
     if (draining) {
       ApiError e = Error(503, "the server is draining (shutting down); retry another replica");
       e.retry_after_seconds = 5;
@@ -232,7 +172,7 @@ struct HttpServer::Impl {
   }
 
   // 404 unless `model` is empty or a served name.
-  bool KnownModel(const std::string& model, httplib::Response& res) {
+  bool KnownModel(const std::string& model, ResponseWriter& res) {
     if (model.empty()) return true;
     for (const std::string& name : options.served_model_names) {
       if (model == name) return true;
@@ -254,11 +194,14 @@ struct HttpServer::Impl {
             {"max_model_len", info.max_context_tokens()}};
   }
 
-  void HandleCompletion(const httplib::Request& req, httplib::Response& res, bool chat);
-  void Routes();
+  void HandleCompletion(const HttpRequest& req, ResponseWriter& res, bool chat);
+  void HandleTokenize(const HttpRequest& req, ResponseWriter& res);
+  void HandleDetokenize(const HttpRequest& req, ResponseWriter& res);
+  // Routes one request; returns the endpoint label it counts under.
+  std::string Route(const HttpRequest& req, ResponseWriter& res);
 };
 
-void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Response& res, bool chat) {
+void HttpServer::Impl::HandleCompletion(const HttpRequest& req, ResponseWriter& res, bool chat) {
   const std::string endpoint = chat ? "/v1/chat/completions" : "/v1/completions";
   auto parsed = chat ? ParseChatCompletionRequest(req.body) : ParseCompletionRequest(req.body);
   if (auto* e = std::get_if<ApiError>(&parsed)) return SendError(res, *e);
@@ -272,17 +215,16 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
   so.reasoning = reasoning;
   auto started = CompletionSession::Start(*engine, request, so);
   if (auto* e = std::get_if<ApiError>(&started)) return SendError(res, *e);
-  Enter();  // left when the response is complete (below, or the stream's releaser)
-  std::shared_ptr<CompletionSession> session = std::move(std::get<std::unique_ptr<CompletionSession>>(started));
-  const int fd = FindConnectionSocket(req);
+  Enter();
+  std::unique_ptr<CompletionSession> session = std::move(std::get<std::unique_ptr<CompletionSession>>(started));
 
   if (!request.stream) {
     std::string unused;
     while (!session->Pump(kPollInterval, &unused)) {
-      if (PeerClosed(fd)) {
+      if (res.PeerClosed()) {
         session->Abort("the client disconnected");
         CountDisconnect(endpoint);
-        res.status = 499;  // nginx's "client closed request": nobody reads it
+        res.Drop(499);  // nginx's "client closed request": nobody reads it
         Leave();
         return;
       }
@@ -291,152 +233,139 @@ void HttpServer::Impl::HandleCompletion(const httplib::Request& req, httplib::Re
     Leave();
     auto result = session->Result();
     if (auto* e = std::get_if<ApiError>(&result)) return SendError(res, *e);
-    res.status = 200;
-    res.set_content(std::get<std::string>(result), "application/json");
+    SendJson(res, std::get<std::string>(result));
     return;
   }
 
-  res.status = 200;
-  res.set_header("Cache-Control", "no-cache");
-  res.set_header("X-Accel-Buffering", "no");
   if (streams_active != nullptr) streams_active->Increment();
-  res.set_chunked_content_provider(
-      "text/event-stream",
-      [this, session, fd, endpoint](size_t, httplib::DataSink& sink) {
-        absl::Time last_write = absl::Now();
-        for (;;) {
-          std::string out;
-          const bool done = session->Pump(kPollInterval, &out);
-          if (out.empty() && absl::Now() - last_write >= options.keepalive_interval) {
-            out = ": keep-alive\n\n";
-          }
-          const bool gone = (!out.empty() && !sink.write(out.data(), out.size())) || PeerClosed(fd);
-          if (gone) {
-            session->Abort("the client disconnected");
-            CountDisconnect(endpoint);
-            return false;
-          }
-          if (!out.empty()) last_write = absl::Now();
-          if (done) {
-            sink.done();
-            return true;
-          }
-          if (stopping) session->Abort("the server is shutting down");
-        }
-      },
-      [this](bool) {
-        if (streams_active != nullptr) streams_active->Decrement();
-        Leave();
-      });
+  bool gone = !res.BeginChunked(200, "text/event-stream", {{"Cache-Control", "no-cache"}, {"X-Accel-Buffering", "no"}});
+  absl::Time last_write = absl::Now();
+  while (!gone) {
+    std::string out;
+    const bool done = session->Pump(kPollInterval, &out);
+    if (out.empty() && absl::Now() - last_write >= options.keepalive_interval) out = ": keep-alive\n\n";
+    gone = (!out.empty() && !res.WriteChunk(out)) || res.PeerClosed();
+    if (gone) break;
+    if (!out.empty()) last_write = absl::Now();
+    if (done) {
+      res.EndChunked();
+      break;
+    }
+    if (stopping) session->Abort("the server is shutting down");
+  }
+  if (gone) {
+    session->Abort("the client disconnected");
+    CountDisconnect(endpoint);
+    res.Drop(200);
+  }
+  if (streams_active != nullptr) streams_active->Decrement();
+  Leave();
 }
 
-void HttpServer::Impl::Routes() {
-  httplib::Server& s = *server;
-  s.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    std::string endpoint = req.path;
-    if (absl::StartsWith(endpoint, "/v1/models/")) endpoint = "/v1/models/{id}";
-    static const char* const kKnown[] = {"/v1/models", "/v1/models/{id}", "/v1/chat/completions",
-                                         "/v1/completions", "/tokenize", "/detokenize",
-                                         "/v1/embeddings", "/health", "/metrics"};
-    if (std::find(std::begin(kKnown), std::end(kKnown), endpoint) == std::end(kKnown)) endpoint = "other";
-    CountRequest(endpoint, res.status);
-  });
-  // Statuses httplib sets itself (404 route, 413 body, 400 parse) get an
-  // OpenAI body too.
-  s.set_error_handler(httplib::Server::HandlerWithResponse([this](const httplib::Request& req,
-                             httplib::Response& res) -> httplib::Server::HandlerResponse {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    std::string message;
-    if (res.status == 404) message = absl::StrCat("no such endpoint: ", req.method, " ", req.path);
-    else if (res.status == 413) message = absl::StrCat("the request body is larger than ", options.max_body_bytes, " bytes");
-    else if (res.status == 405) message = absl::StrCat("method ", req.method, " is not allowed on ", req.path);
-    else if (res.status == 499) return httplib::Server::HandlerResponse::Handled;
-    else message = absl::StrCat("HTTP ", res.status);
-    const int status = res.status;
-    SendError(res, Error(status, message));
-    return httplib::Server::HandlerResponse::Handled;
-  }));
-  s.set_exception_handler([this](const httplib::Request&, httplib::Response& res, std::exception_ptr ep) {
-    std::string what = "unknown";
-    try {
-      if (ep) std::rethrow_exception(ep);
-    } catch (const std::exception& e) {
-      what = e.what();
-    } catch (...) {
-    }
-    EXL3_LOG(kError) << "http: handler failed: " << what;
-    SendError(res, Error(500, absl::StrCat("internal error: ", what)));
-  });
+void HttpServer::Impl::HandleTokenize(const HttpRequest& req, ResponseWriter& res) {
+  auto parsed = ParseTokenizeRequest(req.body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return SendError(res, *e);
+  const TokenizeRequest& t = std::get<TokenizeRequest>(parsed);
+  if (!KnownModel(t.model, res)) return;
+  const Tokenizer* tokenizer = engine->tokenizer();
+  if (tokenizer == nullptr) return SendError(res, BadRequest("", "the model has no tokenizer.json"));
+  std::string text = t.prompt;
+  if (t.chat) {
+    absl::StatusOr<std::string> rendered = engine->RenderChat(t.messages);
+    if (!rendered.ok()) return SendError(res, BadRequest("messages", std::string(rendered.status().message())));
+    text = *rendered;
+  }
+  const std::vector<int32_t> ids = tokenizer->Encode(text, {.add_special_tokens = t.add_special_tokens});
+  ojson body = {{"count", ids.size()},
+                {"max_model_len", engine->GetModelInfo().max_context_tokens()},
+                {"tokens", ids}};
+  if (t.return_token_strs) {
+    ojson strs = ojson::array();
+    for (int32_t id : ids) strs.push_back(tokenizer->IdToToken(id).value_or(""));
+    body["token_strs"] = std::move(strs);
+  }
+  SendJson(res, body.dump(-1, ' ', false, ojson::error_handler_t::replace));
+}
 
-  s.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
-    if (!Serving(res)) return;
-    res.set_content("{\"status\":\"ok\"}", "application/json");
-  });
-  s.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    if (!options.metrics_text) return SendError(res, Error(404, "metrics are off"));
-    res.set_content(options.metrics_text(), "text/plain; version=0.0.4; charset=utf-8");
-  });
-  s.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!Authorized(req, res)) return;
+void HttpServer::Impl::HandleDetokenize(const HttpRequest& req, ResponseWriter& res) {
+  auto parsed = ParseDetokenizeRequest(req.body);
+  if (auto* e = std::get_if<ApiError>(&parsed)) return SendError(res, *e);
+  const DetokenizeRequest& d = std::get<DetokenizeRequest>(parsed);
+  if (!KnownModel(d.model, res)) return;
+  const Tokenizer* tokenizer = engine->tokenizer();
+  if (tokenizer == nullptr) return SendError(res, BadRequest("", "the model has no tokenizer.json"));
+  absl::StatusOr<std::string> text = tokenizer->Decode(d.tokens);
+  if (!text.ok()) return SendError(res, BadRequest("tokens", std::string(text.status().message())));
+  SendJson(res, ojson({{"prompt", *text}}).dump());
+}
+
+std::string HttpServer::Impl::Route(const HttpRequest& req, ResponseWriter& res) {
+  const std::string& path = req.path;
+  const std::string& m = req.method;
+  const bool get = m == "GET" || m == "HEAD";
+  const bool post = m == "POST";
+  auto wrong_method = [&](const std::string& endpoint, const char* allowed) {
+    ApiError e = Error(405, absl::StrCat("method ", m, " is not allowed on ", path, " (", allowed, ")"));
+    HttpHeaders headers = {{"Allow", allowed}};
+    res.Send(405, "application/json", ErrorJson(e), headers);
+    return endpoint;
+  };
+  if (path == "/health") {
+    if (!get) return wrong_method(path, "GET, HEAD");
+    if (Serving(res)) SendJson(res, "{\"status\":\"ok\"}");
+    return path;
+  }
+  if (path == "/metrics") {
+    if (!get) return wrong_method(path, "GET, HEAD");
+    if (!options.metrics_text) {
+      SendError(res, Error(404, "metrics are off"));
+    } else {
+      // Whole, 200: Range is not honoured (no multi-range responses).
+      res.Send(200, "text/plain; version=0.0.4; charset=utf-8", options.metrics_text());
+    }
+    return path;
+  }
+  if (path == "/v1/models") {
+    if (!get) return wrong_method(path, "GET, HEAD");
+    if (!Authorized(req, res)) return path;
     ojson data = ojson::array();
     for (const std::string& name : options.served_model_names) data.push_back(ModelCard(name));
-    res.set_content(ojson({{"object", "list"}, {"data", data}}).dump(), "application/json");
-  });
-  s.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!Authorized(req, res)) return;
-    const std::string id = req.matches[1];
-    if (!KnownModel(id, res)) return;
-    res.set_content(ModelCard(id).dump(), "application/json");
-  });
-  s.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    if (Authorized(req, res)) HandleCompletion(req, res, /*chat=*/true);
-  });
-  s.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    if (Authorized(req, res)) HandleCompletion(req, res, /*chat=*/false);
-  });
-  s.Post("/v1/embeddings", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!Authorized(req, res)) return;
+    SendJson(res, ojson({{"object", "list"}, {"data", data}}).dump());
+    return path;
+  }
+  if (absl::StartsWith(path, "/v1/models/") && path.size() > 11) {
+    const std::string endpoint = "/v1/models/{id}";
+    if (!get) return wrong_method(endpoint, "GET, HEAD");
+    if (!Authorized(req, res)) return endpoint;
+    const std::string id = path.substr(11);
+    if (KnownModel(id, res)) SendJson(res, ModelCard(id).dump());
+    return endpoint;
+  }
+  if (path == "/v1/chat/completions" || path == "/v1/completions") {
+    if (!post) return wrong_method(path, "POST");
+    if (Authorized(req, res)) HandleCompletion(req, res, /*chat=*/path == "/v1/chat/completions");
+    return path;
+  }
+  if (path == "/v1/embeddings") {
+    if (!post) return wrong_method(path, "POST");
+    if (!Authorized(req, res)) return path;
     SendError(res, Error(501, "embeddings are not available: the served model is a generative "
                               "(causal LM) model; use /v1/chat/completions or /v1/completions",
                          "not_supported"));
-  });
-  s.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!Authorized(req, res)) return;
-    auto parsed = ParseTokenizeRequest(req.body);
-    if (auto* e = std::get_if<ApiError>(&parsed)) return SendError(res, *e);
-    const TokenizeRequest& t = std::get<TokenizeRequest>(parsed);
-    if (!KnownModel(t.model, res)) return;
-    const Tokenizer* tokenizer = engine->tokenizer();
-    if (tokenizer == nullptr) return SendError(res, BadRequest("", "the model has no tokenizer.json"));
-    std::string text = t.prompt;
-    if (t.chat) {
-      absl::StatusOr<std::string> rendered = engine->RenderChat(t.messages);
-      if (!rendered.ok()) return SendError(res, BadRequest("messages", std::string(rendered.status().message())));
-      text = *rendered;
+    return path;
+  }
+  if (path == "/tokenize" || path == "/detokenize") {
+    if (!post) return wrong_method(path, "POST");
+    if (!Authorized(req, res)) return path;
+    if (path == "/tokenize") {
+      HandleTokenize(req, res);
+    } else {
+      HandleDetokenize(req, res);
     }
-    const std::vector<int32_t> ids = tokenizer->Encode(text, {.add_special_tokens = t.add_special_tokens});
-    ojson body = {{"count", ids.size()},
-                  {"max_model_len", engine->GetModelInfo().max_context_tokens()},
-                  {"tokens", ids}};
-    if (t.return_token_strs) {
-      ojson strs = ojson::array();
-      for (int32_t id : ids) strs.push_back(tokenizer->IdToToken(id).value_or(""));
-      body["token_strs"] = std::move(strs);
-    }
-    res.set_content(body.dump(-1, ' ', false, ojson::error_handler_t::replace), "application/json");
-  });
-  s.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    if (!Authorized(req, res)) return;
-    auto parsed = ParseDetokenizeRequest(req.body);
-    if (auto* e = std::get_if<ApiError>(&parsed)) return SendError(res, *e);
-    const DetokenizeRequest& d = std::get<DetokenizeRequest>(parsed);
-    if (!KnownModel(d.model, res)) return;
-    const Tokenizer* tokenizer = engine->tokenizer();
-    if (tokenizer == nullptr) return SendError(res, BadRequest("", "the model has no tokenizer.json"));
-    absl::StatusOr<std::string> text = tokenizer->Decode(d.tokens);
-    if (!text.ok()) return SendError(res, BadRequest("tokens", std::string(text.status().message())));
-    res.set_content(ojson({{"prompt", *text}}).dump(), "application/json");
-  });
+    return path;
+  }
+  SendError(res, Error(404, absl::StrCat("no such endpoint: ", m, " ", path)));
+  return "other";
 }
 
 HttpServer::HttpServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -501,14 +430,6 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Engine& engine,
     for (const std::string& f : {options.tls_cert_file, options.tls_key_file, options.tls_client_ca_file}) {
       if (!f.empty()) EXL3_RETURN_IF_ERROR(ReadSmallFile(f, "the TLS file").status());
     }
-    impl->server = std::make_unique<httplib::SSLServer>(
-        options.tls_cert_file.c_str(), options.tls_key_file.c_str(),
-        options.tls_client_ca_file.empty() ? nullptr : options.tls_client_ca_file.c_str());
-  } else {
-    impl->server = std::make_unique<httplib::Server>();
-  }
-  if (!impl->server->is_valid()) {
-    return absl::InvalidArgumentError("http: the TLS certificate or key could not be loaded");
   }
 
   if (options.registry != nullptr) {
@@ -527,26 +448,33 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Engine& engine,
                                 .Add({{"model_name", options.model_name_label}});
   }
 
-  httplib::Server& s = *impl->server;
-  const int threads = options.threads;
-  s.new_task_queue = [threads] { return new httplib::ThreadPool(static_cast<size_t>(threads)); };
-  s.set_payload_max_length(options.max_body_bytes);
-  s.set_keep_alive_max_count(100000);
-  s.set_keep_alive_timeout(30);
-  s.set_read_timeout(30, 0);
-  s.set_write_timeout(60, 0);
-  s.set_tcp_nodelay(true);
-  impl->Routes();
-
-  const int port = options.port == 0 ? s.bind_to_any_port(options.host)
-                                     : (s.bind_to_port(options.host, options.port) ? options.port : -1);
-  if (port <= 0) {
-    return absl::UnavailableError(absl::StrCat("http: cannot listen on ", options.host, ":", options.port,
-                                               " (port in use, or not an address of this machine)"));
-  }
-  impl->port = port;
+  Http1ServerOptions so;
+  so.host = options.host;
+  so.port = options.port;
+  so.listen_backlog = options.listen_backlog;
+  so.framing.max_body_bytes = options.max_body_bytes;
+  so.handler_threads = options.threads;
+  so.max_connections = options.max_connections;
+  so.max_connections_per_ip = options.max_connections_per_ip;
+  so.head_timeout = options.head_timeout;
+  so.request_timeout = options.request_timeout;
+  so.idle_timeout = options.idle_timeout;
+  so.write_timeout = options.write_timeout;
+  so.tls_cert_file = options.tls_cert_file;
+  so.tls_key_file = options.tls_key_file;
+  so.tls_client_ca_file = options.tls_client_ca_file;
+  so.registry = options.registry;
+  so.model_name_label = options.model_name_label;
   Impl* raw = impl.get();
-  impl->listener = std::thread([raw] { raw->server->listen_after_bind(); });
+  auto handler = [raw](const HttpRequest& req, ResponseWriter& res) {
+    const std::string endpoint = raw->Route(req, res);
+    raw->CountRequest(endpoint, res.status());
+  };
+  auto refused = [raw](int status, std::string_view) { raw->CountRequest("other", status); };
+  absl::StatusOr<std::unique_ptr<Http1Server>> server = Http1Server::Start(so, handler, refused);
+  if (!server.ok()) return server.status();
+  impl->server = *std::move(server);
+  impl->port = impl->server->port();
   return std::unique_ptr<HttpServer>(new HttpServer(std::move(impl)));
 }
 
@@ -560,8 +488,7 @@ void HttpServer::Shutdown(absl::Duration grace) {
   impl_->AwaitIdle(absl::Now() + grace);
   impl_->stopping = true;  // each handler aborts at its next poll (50 ms)
   impl_->AwaitIdle(absl::Now() + absl::Seconds(5));
-  impl_->server->stop();
-  if (impl_->listener.joinable()) impl_->listener.join();
+  impl_->server->Stop();
 }
 
 }  // namespace exl3serve::coordinator::http

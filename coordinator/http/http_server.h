@@ -10,21 +10,23 @@
 //   GET  /health                         200 ready; 503 + error body otherwise
 //   GET  /metrics                        the coordinator's Prometheus registry (with the HTTP series)
 //
-// Built on cpp-httplib 0.11.4 (Debian libcpp-httplib-dev): MIT, blocking
-// handlers on a thread pool, a chunked content provider that fits SSE, and
-// llama.cpp's server as proof it carries this workload. Each live request
-// holds one pool thread (`threads`, sized above the engine's queue and batch
-// limits). httplib does not tell a handler when its peer leaves, so every
-// handler finds its connection's socket (by its address pair) and polls it
-// for EOF between engine responses: a client that disconnects aborts its
-// request within one poll interval (50 ms), streamed or not, and its KV
-// blocks come back at the next step. The layer sits behind this header only:
-// a move to Boost.Beast for thousands of streams would not touch the engine.
+// Over our own HTTP/1.1 layer (http1_server.h, framing in http1_parser.h):
+// cpp-httplib 0.11.4, which this replaced, could be crashed, smuggled past and
+// held by slow clients (issue 41: a listen backlog of 5, GET bodies parsed as
+// a second request, chunked bodies read unbounded, a per-byte read timeout,
+// multi-range responses, busy-polled idle connections), none of it fixable
+// from outside the library. Each live request holds one handler thread
+// (`threads`); idle and slow connections hold none. A handler polls its
+// socket for EOF between engine responses: a client that disconnects aborts
+// its request within one poll interval (50 ms), streamed or not, and its KV
+// blocks come back at the next step.
 //
 // Errors are OpenAI-shaped ({"error": {message, type, param, code}}): 400 bad
-// request (named field), 401 (the gRPC bearer token), 404, 413 (body over
-// max_body_bytes), 429 + Retry-After (queue full), 503 + Retry-After (not
-// ready: loading, a rank down, draining), 500.
+// request (named field; also any JSON value nested deeper than 256, and
+// malformed framing), 401 (the gRPC bearer token), 404, 405, 408 (head or
+// request deadline), 411, 413 (body over max_body_bytes, whatever its
+// framing), 429 + Retry-After (queue full), 431, 503 + Retry-After (not
+// ready: loading, a rank down, draining; or a connection limit), 500.
 #ifndef EXL3SERVE_COORDINATOR_HTTP_HTTP_SERVER_H_
 #define EXL3SERVE_COORDINATOR_HTTP_HTTP_SERVER_H_
 
@@ -57,7 +59,15 @@ struct HttpServerOptions {
   std::string tls_client_ca_file;
   std::string auth_token_file;
   size_t max_body_bytes = size_t{8} << 20;  // larger bodies get 413
-  int threads = 512;                         // connections served at once
+  int threads = 512;                         // requests handled at once (a stream holds one)
+  // The connection layer's limits (http1_server.h).
+  int listen_backlog = 4096;                 // capped by net.core.somaxconn
+  size_t max_connections = 8192;             // beyond: 503 + Retry-After at accept
+  size_t max_connections_per_ip = 1024;
+  absl::Duration head_timeout = absl::Seconds(10);     // request line + headers
+  absl::Duration request_timeout = absl::Seconds(60);  // the whole request, body included
+  absl::Duration idle_timeout = absl::Seconds(60);     // keep-alive without a request
+  absl::Duration write_timeout = absl::Seconds(60);    // a write making no progress
   // Streams send ": keep-alive" after this long without data (long prefill).
   absl::Duration keepalive_interval = absl::Seconds(10);
   // "auto" (from the chat template), "hermes", "llama3_json", "mistral", "none".

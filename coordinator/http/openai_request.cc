@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json_depth.h"
 #include "nlohmann/json.hpp"
 
 namespace exl3serve::coordinator::http {
@@ -36,7 +37,20 @@ std::string TypeName(const ojson& v) {
   return "an object";
 }
 
+// 400 naming `param` (+ the path inside it) when `text` nests deeper than
+// kMaxJsonDepth: checked before anything is parsed, so no code path (copies,
+// dump(), the chat template's conversion, all recursive) ever sees a deeper
+// value.
+void RefuseDeepJson(std::string_view text, std::string_view param) {
+  if (std::optional<JsonDepthExcess> deep = FindJsonNestingBeyond(text, kMaxJsonDepth)) {
+    Refuse(JoinJsonPath(param, deep->path),
+           absl::StrCat("nests deeper than ", kMaxJsonDepth, " levels of arrays and objects (the limit for any "
+                        "JSON value in a request)"));
+  }
+}
+
 ojson ParseBody(std::string_view body) {
+  RefuseDeepJson(body, "");
   ojson doc = ojson::parse(body.begin(), body.end(), nullptr, /*allow_exceptions=*/false);
   if (doc.is_discarded()) Refuse("", "the request body is not valid JSON");
   if (!doc.is_object()) Refuse("", "the request body must be a JSON object, got " + TypeName(doc));
@@ -245,6 +259,7 @@ std::optional<v1::OutputConstraint> ParseOutputConstraint(Fields& f) {
   auto schema_text = [](const ojson& schema, const std::string& param) {
     if (schema.is_string()) {
       // vLLM accepts guided_json as a JSON string too.
+      RefuseDeepJson(schema.get<std::string>(), param);
       ojson parsed = ojson::parse(schema.get<std::string>(), nullptr, /*allow_exceptions=*/false);
       if (parsed.is_discarded()) Refuse(param, "is a string that is not valid JSON");
       if (!parsed.is_object() && !parsed.is_boolean()) Refuse(param, "must be a JSON Schema object");
@@ -396,6 +411,7 @@ void ParseMessages(const ojson& messages, v1::ChatInput* chat) {
         call->set_function_name(*name);
         if (const ojson* args = ff.Get("arguments")) {
           // A string per the API; an object is accepted as its JSON text.
+          if (args->is_string()) RefuseDeepJson(args->get<std::string>(), cpath + ".function.arguments");
           call->set_arguments_json(args->is_string() ? args->get<std::string>() : args->dump());
         } else {
           call->set_arguments_json("{}");

@@ -6,3 +6,4 @@ set -euo pipefail
 export EXL3_BUILD_DIR=${EXL3_BUILD_DIR:-$(dirname "$(dirname "$1")")}
 source "$(dirname "${BASH_SOURCE[0]}")/lib/fuzz_smoke.sh"
 fuzz_smoke 20 openai_request
+fuzz_smoke 15 http1_framing

@@ -3,6 +3,7 @@
 # the safetensors header (reached as `tests/fuzz/run.sh TARGET SECONDS`),
 # built with clang + libFuzzer + ASan + UBSan straight from the sources:
 #   openai_request   HTTP API request bodies      (needs a build's generated protobuf code)
+#   http1_framing    raw bytes of HTTP/1.1 connections to the request framing (coordinator/http/http1_parser)
 #   chat_template    template text + context JSON
 #   tokenizer        tokenizer.json + tokenizer_config.json + text
 #   model_config     config.json + generation_config.json
@@ -42,7 +43,7 @@ case $target in
     gen=$build/proto/gen
     [[ -f $gen/exl3serve/v1/generation.pb.cc ]] ||
       { echo "run_target.sh: no generated protobuf code in $gen (build first)" >&2; exit 2; }
-    sources=("$src/coordinator/http/openai_request.cc" "$gen/exl3serve/v1/generation.pb.cc")
+    sources=("$src/coordinator/http/openai_request.cc" "$src/common/json_depth.cc" "$gen/exl3serve/v1/generation.pb.cc")
     extra_flags=(-I"$gen")
     pkgs=(protobuf absl_strings absl_str_format)
     dict=$src/tests/fuzz/openai_request.dict
@@ -54,6 +55,16 @@ case $target in
     seed tokenize.json '{"messages":[{"role":"user","content":"x"}],"add_generation_prompt":true,"return_token_strs":true}'
     seed detokenize.json '{"tokens":[1,2,3]}'
     seed kwargs.json '{"messages":[{"role":"assistant","content":"Once","reasoning_content":"r"}],"continue_final_message":true,"add_generation_prompt":false,"chat_template_kwargs":{"enable_thinking":false},"reasoning_effort":"low"}'
+    ;;
+  http1_framing)
+    sources=("$src/coordinator/http/http1_parser.cc")
+    pkgs=(absl_strings)
+    dict=$src/tests/fuzz/http1_framing.dict
+    max_len=16384
+    seed get $'\x10\x00\x10\x00\x10\x00\x02\x00\x05\x00\x30GET /v1/models HTTP/1.1\r\nHost: a\r\n\r\nGET /health HTTP/1.0\r\nConnection: keep-alive\r\n\r\n'
+    seed post $'\x40\x00\x08\x00\x00\x01\x01\x00\x20POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 11\r\nExpect: 100-continue\r\n\r\n{"prompt":1}'
+    seed chunked $'\x40\x00\x08\x00\x00\x01\x02\x00\x30\x00\x31POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n5;x=y\r\nhello\r\n0\r\nT: 1\r\n\r\nGET / HTTP/1.1\r\nHost: b\r\n\r\n'
+    seed smuggle $'\x40\x00\x08\x00\x00\x01\x00GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n'
     ;;
   chat_template)
     sources=("${tokenizer_sources[@]}")
@@ -231,7 +242,7 @@ pair ::= [a-z]+ ":" ( [0-9]{1,3} | obj | "\u00e9" )' >"$out/seeds/grammar"
     printf '\003yes\000no\000maybe' >"$out/seeds/choice"
     ;;
   *)
-    echo "run_target.sh: unknown target $target (openai_request, chat_template, tokenizer, model_config, model_folder, rank_protocol, rank_endpoint, cluster_config, constraint)" >&2
+    echo "run_target.sh: unknown target $target (openai_request, http1_framing, chat_template, tokenizer, model_config, model_folder, rank_protocol, rank_endpoint, cluster_config, constraint)" >&2
     exit 2
     ;;
 esac
