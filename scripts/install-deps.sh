@@ -7,7 +7,7 @@ APT=(apt-get -o DPkg::Lock::Timeout=600 -o Acquire::Retries=3)
 PKGS=(build-essential cmake ninja-build pkg-config
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
       libucx-dev ucx-utils nlohmann-json3-dev libgtest-dev libgmock-dev libbenchmark-dev
-      libcpp-httplib-dev curl   # the OpenAI HTTP API (coordinator/http/) and its curl tests
+      libssl-dev curl   # TLS of the OpenAI HTTP API (coordinator/http/, OpenSSL) and its curl tests
       libyaml-cpp-dev libcli11-dev libicu-dev python3-numpy python3-jinja2 prometheus prometheus-cpp-dev iproute2 openssl
       python3-grpcio python3-protobuf   # the Python gRPC client of tests/cli/serve_e2e_test.sh (/usr/bin/python3)
       clang libclang-rt-14-dev

@@ -420,7 +420,11 @@ void Http1Server::Impl::Dispatch(Connection* c) {
   std::lock_guard<std::mutex> lock(mu);
   ++handlers_running;
   work.push_back(c);
-  if (idle_workers == 0 && static_cast<int>(workers.size()) < options.handler_threads) {
+  // Idle threads may not have woken for earlier requests yet: a new thread
+  // whenever the queue outgrows them, or a request would wait behind a
+  // stream that holds its thread for minutes.
+  if (work.size() > static_cast<size_t>(idle_workers) &&
+      static_cast<int>(workers.size()) < options.handler_threads) {
     workers.emplace_back([this] { WorkerLoop(); });
   } else {
     work_cv.notify_one();
