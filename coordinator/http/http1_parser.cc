@@ -330,15 +330,22 @@ size_t HttpRequestParser::FeedBody(std::string_view data) {
         const size_t take = (eol == std::string_view::npos ? data.size() : eol + 1) - used;
         line_.append(data.substr(used, take));
         used += take;
-        const size_t line_limit = phase_ == BodyPhase::kChunkSize ? 1024 : limits_.max_head_bytes;
-        if (eol == std::string_view::npos) {
-          if (phase_ == BodyPhase::kChunkSize && line_.size() > line_limit) {
+        // A line may hold `room` bytes before its CRLF. The same test on a
+        // partial line (> room) and a whole one (> room + 1 with its CRLF:
+        // its longest partial is one shorter) gives the same verdict however
+        // the bytes are split.
+        const size_t room = phase_ == BodyPhase::kChunkSize
+                                ? 1024
+                                : limits_.max_head_bytes - std::min(trailer_bytes_, limits_.max_head_bytes);
+        if (line_.size() > (eol == std::string_view::npos ? room : room + 1)) {
+          if (phase_ == BodyPhase::kChunkSize) {
             Fail(400, "a chunk size line longer than 1024 bytes");
-          } else if (phase_ == BodyPhase::kTrailers && trailer_bytes_ + line_.size() > line_limit) {
+          } else {
             Fail(431, "trailers exceed the header limit");
           }
-          break;
+          return used;
         }
+        if (eol == std::string_view::npos) break;
         if (line_.size() < 2 || line_[line_.size() - 2] != '\r') {
           Fail(400, "a bare LF in the chunked body");
           return used;

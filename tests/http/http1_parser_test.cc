@@ -184,6 +184,23 @@ TEST(Http1Parser, TheLimitIsKnownBeforeTheBodyIsRead) {
   EXPECT_EQ(o.requests[0].body, "abcdefabcd");
 }
 
+// Fuzzer finding: a trailer line without a colon that crosses the head
+// limit was a 400 when it arrived whole and a 431 when split; every split
+// must give the same verdict.
+TEST(Http1Parser, ALineCrossingItsLimitGetsOneVerdictAtEverySplit) {
+  HttpFramingLimits small;
+  small.max_head_bytes = 64;
+  for (size_t len : {size_t{62}, size_t{63}, size_t{64}, size_t{65}, size_t{66}, size_t{100}}) {
+    const std::string wire = "POST / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n" +
+                             std::string(len, 'x') + "\r\n\r\n";
+    const int whole = Frame(wire, {}, small).error;
+    EXPECT_NE(whole, 0) << len;  // no colon, or too long
+    for (size_t cut = 1; cut < wire.size(); ++cut) {
+      ASSERT_EQ(Frame(wire, {cut}, small).error, whole) << "line of " << len << " cut at " << cut;
+    }
+  }
+}
+
 TEST(Http1Parser, KeepAliveExpectAndTargets) {
   Outcome o = Frame("GET / HTTP/1.0\r\n\r\n");
   ASSERT_EQ(o.requests.size(), 1u);
