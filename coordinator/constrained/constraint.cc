@@ -52,6 +52,7 @@ absl::StatusOr<FlatGrammar> BuildGrammar(const ConstraintSpec& spec, const CodeP
     case ConstraintKind::kChoice: {
       if (spec.choices.empty()) return absl::InvalidArgumentError("choice: no choices given");
       const uint32_t r = g.AddRule("choice");
+      if (absl::Status s = g.CheckAlternatives("choice", spec.choices.size()); !s.ok()) return s;
       for (const std::string& c : spec.choices) g.AddAlternative(r, g.Literal(c));
       root = r;
       break;

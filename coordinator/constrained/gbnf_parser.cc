@@ -37,6 +37,7 @@ class GbnfParser {
       defined_[rule] = 1;
       std::vector<Sequence> alts = ParseAlternatives(0, /*top=*/true);
       if (!status_.ok()) return status_;
+      (void)g_.CheckAlternatives("GBNF rule", alts.size());
       for (Sequence& alt : alts) g_.AddAlternative(rule, std::move(alt));
       SkipSpace();
     }

@@ -44,12 +44,6 @@ void Grammar::AddAlternative(uint32_t rule, Sequence sequence) {
         "constraint grammar exceeds ", kMaxGrammarElements, " elements (kMaxGrammarElements)")));
     return;
   }
-  if (rules_[rule].alternatives.size() >= kMaxRuleAlternatives) {
-    SetError(absl::ResourceExhaustedError(absl::StrCat(
-        "'", rules_[rule].name, "' has more than ", kMaxRuleAlternatives,
-        " alternatives (kMaxRuleAlternatives: the matcher follows at most that many parses at once)")));
-    return;
-  }
   rules_[rule].alternatives.push_back(std::move(sequence));
 }
 
@@ -101,7 +95,17 @@ Sequence Grammar::Literal(std::string_view bytes) {
   return s;
 }
 
+absl::Status Grammar::CheckAlternatives(std::string_view name, size_t count) {
+  if (count <= kMaxRuleAlternatives) return absl::OkStatus();
+  absl::Status s = absl::ResourceExhaustedError(absl::StrCat(
+      "'", std::string(name), "' has ", count, " alternatives, more than ", kMaxRuleAlternatives,
+      " (kMaxRuleAlternatives: the matcher follows at most that many parses at once)"));
+  SetError(s);
+  return s;
+}
+
 GrammarElement Grammar::Choice(std::string name, std::vector<Sequence> alternatives) {
+  (void)CheckAlternatives(name, alternatives.size());
   const uint32_t rule = AddRule(std::move(name));
   for (Sequence& alt : alternatives) AddAlternative(rule, std::move(alt));
   return Ref(rule);

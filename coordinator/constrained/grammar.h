@@ -119,6 +119,9 @@ class Grammar {
   Sequence Literal(std::string_view bytes);
   // A new rule whose alternatives are `alternatives`; returns its reference.
   GrammarElement Choice(std::string name, std::vector<Sequence> alternatives);
+  // ResourceExhausted (and the grammar's error) when a rule written by the
+  // client (an enum, choice, GBNF rule) has more than kMaxRuleAlternatives.
+  absl::Status CheckAlternatives(std::string_view name, size_t count);
   // `body` repeated min..max times (max < 0: unbounded) as a sequence to
   // splice into an alternative (helper rules are tail-recursive, so the
   // automaton's stack does not grow with the count).
