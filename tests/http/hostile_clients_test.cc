@@ -222,7 +222,7 @@ TEST_F(HostileClientsTest, SlowClientsTimeOutAndDoNotHoldOthersUp) {
     if (!normal_checked && tick == 3) {
       const absl::Time t = absl::Now();
       EXPECT_EQ(Call(port(), "GET", "/v1/models").status, 200);
-      EXPECT_LT(absl::Now() - t, absl::Milliseconds(500)) << "a normal request waited behind slow clients";
+      EXPECT_LT(absl::Now() - t, absl::Milliseconds(1500)) << "a normal request waited behind slow clients";
       normal_checked = true;
     }
     pollfd none = {-1, 0, 0};
@@ -300,7 +300,7 @@ TEST_F(HostileClientsTest, IdleConnectionsCostNoCpu) {
     }
   }
   const absl::Duration with_idle = idle_cpu(absl::Seconds(1));
-  EXPECT_LT(with_idle - baseline, absl::Milliseconds(30))
+  EXPECT_LT(with_idle - baseline, absl::Milliseconds(60))
       << "300 idle connections: " << with_idle << " CPU per second, baseline " << baseline;
   for (int fd : fds) ::close(fd);
   ExpectAlive();
