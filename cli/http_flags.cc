@@ -1,5 +1,7 @@
 #include "cli/http_flags.h"
 
+#include <malloc.h>
+
 #include <cstdio>
 
 #include "absl/strings/str_cat.h"
@@ -87,6 +89,15 @@ absl::StatusOr<std::unique_ptr<coordinator::http::HttpServer>> StartHttpServer(
     options.metrics_text = [metrics] { return metrics->RenderText(); };
     options.registry = &metrics->registry();
   }
+  // Request bodies of up to 8 MiB, and their parsed copies, come and go on
+  // many threads. glibc's dynamic thresholds would rise to the largest block
+  // freed (then up to 32 MiB stays in each arena's top, which malloc_trim
+  // does not release for non-main arenas: the coordinator grew 30 -> 56 MiB
+  // in soak.sh's abuse phase and stayed). Fixed thresholds keep big blocks
+  // mmapped and arenas trimmed. The coordinator process only: ranks run in
+  // their own processes.
+  mallopt(M_MMAP_THRESHOLD, 256 << 10);
+  mallopt(M_TRIM_THRESHOLD, 512 << 10);
   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<coordinator::http::HttpServer> server,
                         coordinator::http::HttpServer::Start(engine, options));
   std::printf("http: listening on %s\n", server->address().c_str());

@@ -67,6 +67,8 @@ constexpr size_t kReadBudgetPerEvent = 1 << 20;  // fairness between connections
 constexpr absl::Duration kLinger = absl::Seconds(2);
 constexpr size_t kLingerBytes = size_t{16} << 20;
 constexpr size_t kTrimAfterBodyBytes = size_t{1} << 20;
+constexpr absl::Duration kWorkerIdleExit = absl::Seconds(10);
+constexpr int kMinWorkers = 4;
 
 enum class Io { kOk, kWantRead, kWantWrite, kEof, kError };
 
@@ -142,6 +144,7 @@ struct Connection {
   absl::Time request_started = absl::InfiniteFuture();
   absl::Time linger_until;
   size_t lingered = 0;
+  size_t bytes_in = 0;       // read by the I/O thread, for the trim below
   bool close_after = false;  // set by the handler thread
 
   explicit Connection(HttpFramingLimits limits) : parser(limits) {}
@@ -246,15 +249,19 @@ struct Http1Server::Impl {
   std::unordered_map<int, std::unique_ptr<Connection>> connections;
   std::unordered_map<std::string, size_t> per_ip;
   std::vector<int> ready_again;  // fds of TLS connections with data buffered past a read budget
+  // A connection that brought >= kTrimAfterBodyBytes closed: its buffers went
+  // back to this thread's malloc arena; trimmed once the loop turn is done.
+  bool trim_pending = false;
 
   // Handler pool and the queues between it and the I/O thread.
   std::mutex mu;
   std::condition_variable work_cv;
   std::deque<Connection*> work;      // whole requests waiting for a thread
   std::deque<Connection*> returned;  // back to the I/O thread
-  std::vector<std::thread> workers;
+  int live_workers = 0;  // handler threads running (detached; Stop waits for 0)
   int idle_workers = 0;
   bool workers_exit = false;
+  std::condition_variable workers_done_cv;
   int handlers_running = 0;  // connections owned by handler threads (incl. queued)
   std::condition_variable handlers_cv;
   std::mutex stop_mu;
@@ -302,6 +309,7 @@ struct Http1Server::Impl {
   }
   void Close(Connection* c) {
     Unregister(c);
+    if (c->bytes_in >= kTrimAfterBodyBytes) trim_pending = true;
     if (c->ssl != nullptr) SSL_free(c->ssl);
     ::close(c->fd);
     if (auto it = per_ip.find(c->peer); it != per_ip.end() && --it->second == 0) per_ip.erase(it);
@@ -423,21 +431,32 @@ void Http1Server::Impl::Dispatch(Connection* c) {
   // Idle threads may not have woken for earlier requests yet: a new thread
   // whenever the queue outgrows them, or a request would wait behind a
   // stream that holds its thread for minutes.
-  if (work.size() > static_cast<size_t>(idle_workers) &&
-      static_cast<int>(workers.size()) < options.handler_threads) {
-    workers.emplace_back([this] { WorkerLoop(); });
+  if (work.size() > static_cast<size_t>(idle_workers) && live_workers < options.handler_threads) {
+    ++live_workers;
+    std::thread([this] { WorkerLoop(); }).detach();
   } else {
     work_cv.notify_one();
   }
 }
 
+// A handler thread idle for kWorkerIdleExit leaves (down to kMinWorkers), so
+// a burst's threads do not keep their stacks and arenas for good.
 void Http1Server::Impl::WorkerLoop() {
   std::unique_lock<std::mutex> lock(mu);
   for (;;) {
     ++idle_workers;
-    work_cv.wait(lock, [this] { return workers_exit || !work.empty(); });
+    const bool woken = work_cv.wait_for(lock, absl::ToChronoSeconds(kWorkerIdleExit),
+                                        [this] { return workers_exit || !work.empty(); });
     --idle_workers;
-    if (work.empty()) return;  // workers_exit
+    if (work.empty()) {
+      if (!workers_exit && (woken || live_workers <= kMinWorkers)) continue;
+      --live_workers;
+      const bool trim = !workers_exit;
+      workers_done_cv.notify_all();
+      lock.unlock();
+      if (trim) malloc_trim(0);  // what the leaving thread's arena holds free
+      return;
+    }
     Connection* c = work.front();
     work.pop_front();
     lock.unlock();
@@ -616,6 +635,7 @@ void Http1Server::Impl::OnReadable(Connection* c) {
     const Io io = c->Read(buf, sizeof buf, &n);
     if (io == Io::kWantRead || io == Io::kWantWrite) return;
     if (io != Io::kOk) return Close(c);  // EOF or reset: idle or mid-request, nobody to answer
+    c->bytes_in += n;
     const bool was_idle = c->parser.state() == HttpRequestParser::State::kIdle;
     const size_t used = c->parser.Feed(std::string_view(buf, n));
     if (was_idle && c->parser.state() != HttpRequestParser::State::kIdle) c->request_started = absl::Now();
@@ -745,6 +765,10 @@ void Http1Server::Impl::IoLoop() {
       }
     }
     if (woken) TakeReturned();
+    if (trim_pending) {
+      trim_pending = false;
+      malloc_trim(0);
+    }
     if (stopping.load()) {
       // Close what the I/O thread owns; wait for the handlers' connections.
       std::vector<Connection*> mine;
@@ -886,11 +910,11 @@ void Http1Server::Stop() {
   impl_->Wake();
   if (impl_->io_thread.joinable()) impl_->io_thread.join();
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
+    std::unique_lock<std::mutex> lock(impl_->mu);
     impl_->workers_exit = true;
+    impl_->work_cv.notify_all();
+    impl_->workers_done_cv.wait(lock, [this] { return impl_->live_workers == 0; });
   }
-  impl_->work_cv.notify_all();
-  for (std::thread& t : impl_->workers) t.join();
   for (auto& [fd, owned] : impl_->connections) {
     if (owned->ssl != nullptr) SSL_free(owned->ssl);
     ::close(fd);

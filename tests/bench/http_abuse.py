@@ -7,7 +7,12 @@ connects, Range on /metrics. Bounded in count and time; loopback only.
 Prints what each probe got and exits non-zero when the server stopped
 answering /health.
 
-  http_abuse.py --port PORT [--rounds 3] [--pid PID] [--rss-baseline-mib X]
+  http_abuse.py --port PORT [--rounds 3] [--streams 16] [--light]
+
+--streams N: N SSE completions generate while the burst of 300 connects;
+each must end with [DONE]. --light: no 8 MiB body (for CI). Exits non-zero
+when /health stops answering, the burst is not answered 300/300 within 5 s,
+or a stream fails.
 """
 import argparse
 import socket
@@ -67,7 +72,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=0)
+    ap.add_argument("--light", action="store_true")
     a = ap.parse_args()
+    failed = []
     port = a.port
     user = b'"messages":[{"role":"user","content":"hi"}]'
     seen = {}
@@ -87,8 +95,9 @@ def main():
                 b"}}}]}"))))
             note("deep guided_json", status(exchange(port, post(
                 b"/v1/completions", b'{"prompt":"x","guided_json":{"a":' + v + b"}}"))))
-        big = b'{"prompt":"' + b"x" * (8 * 1024 * 1024 - 40) + b'","max_tokens":1}'
-        note("8 MiB body", status(exchange(port, post(b"/v1/completions", big), timeout=60)))
+        if not a.light:
+            big = b'{"prompt":"' + b"x" * (8 * 1024 * 1024 - 40) + b'","max_tokens":1}'
+            note("8 MiB body", status(exchange(port, post(b"/v1/completions", big), timeout=60)))
         chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n" +
                    (b"100000\r\n" + b"x" * 0x100000 + b"\r\n") * 12 + b"0\r\n\r\n")
         note("12 MiB chunked", status(exchange(port, chunked, timeout=30)))
@@ -112,11 +121,22 @@ def main():
         results = []
 
         def one():
+            t = time.time()
             try:
-                results.append(status(exchange(port, b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
-                                               timeout=10)))
+                st = status(exchange(port, b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+                                     timeout=10))
             except OSError:
-                results.append(0)
+                st = 0
+            results.append((st, time.time() - t))
+        streams_done = []
+
+        def stream():
+            body = b'{"prompt":"Once upon a time","max_tokens":400,"ignore_eos":true,"temperature":0,"stream":true}'
+            raw = exchange(port, post(b"/v1/completions", body), timeout=120)
+            streams_done.append(status(raw) == 200 and b"data: [DONE]" in raw)
+        stream_threads = [threading.Thread(target=stream) for _ in range(a.streams)]
+        for t in stream_threads:
+            t.start()
         threads = [threading.Thread(target=one) for _ in range(300)]
         t0 = time.time()
         for t in threads:
@@ -130,15 +150,28 @@ def main():
             time.sleep(0.2)
         for t in threads:
             t.join()
-        note("burst of 300: answered 200", sum(1 for r in results if r == 200))
-        note("burst of 300: seconds", round(time.time() - t0))
+        answered = sum(1 for st, dt in results if st == 200 and dt < 5.0)
+        note("burst of 300: answered 200 within 5 s", answered)
+        note("burst of 300: slowest answer (s)", round(max(dt for _, dt in results), 1))
+        for t in stream_threads:
+            t.join()
+        if a.streams:
+            note(f"{a.streams} streams during the burst: ended with [DONE]", sum(streams_done))
+            if sum(streams_done) != a.streams:
+                failed.append(f"{a.streams - sum(streams_done)} streams failed")
+        if answered != 300:
+            failed.append(f"the burst: {answered} of 300 answered 200 within 5 s")
         for s in slow:
             s.close()
     for name, counts in seen.items():
         print(f"http_abuse: {name}: " + ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())))
     alive = status(exchange(port, b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"))
     print(f"http_abuse: /health after the abuse: {alive}")
-    return 0 if alive == 200 else 1
+    if alive != 200:
+        failed.append("/health stopped answering")
+    for f in failed:
+        print(f"http_abuse: FAIL: {f}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
