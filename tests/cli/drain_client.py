@@ -98,7 +98,13 @@ def main():
     term_at = time.monotonic()
     print(f"drain: all {len(streams)} streams have their first chunk; SIGTERM pid {a.server_pid}",
           flush=True)
-    time.sleep(0.3)  # the server's signal pipe is polled; let the drain begin
+    # The drain has begun once health says NOT_SERVING (the server polls its
+    # signal pipe); a fixed sleep here raced with short streams: at tp=2 they
+    # had all ended and the server exited before the probe (CANCELLED).
+    deadline = time.monotonic() + 10
+    while health(channel, "") == "SERVING":
+        if time.monotonic() > deadline:
+            fail("health still SERVING 10 s after SIGTERM")
 
     try:
         for _ in stub.Generate(request(999), timeout=10):

@@ -43,7 +43,7 @@ for TP in 1 2; do
   "$BIN" client --addr "$ADDR" --health --wait-ready-ms 120000 >/dev/null || fail "tp=$TP: not ready"
   START=$(date +%s%N)
   /usr/bin/python3 "$SRC/tests/cli/drain_client.py" --addr "$ADDR" --stubs "$BUILD/python" \
-      --server-pid "$SERVER_PID" --streams 16 --max-tokens ${DRAIN_MAX_TOKENS:-200} ||
+      --server-pid "$SERVER_PID" --streams 16 --max-tokens ${DRAIN_MAX_TOKENS:-400} ||
     fail "tp=$TP: drain client"
   # The bound: the grace period plus 15 s for the ranks to stop.
   BOUND_S=$((GRACE_MS / 1000 + 15))
