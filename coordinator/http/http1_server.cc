@@ -68,6 +68,7 @@ constexpr absl::Duration kLinger = absl::Seconds(2);
 constexpr size_t kLingerBytes = size_t{16} << 20;
 constexpr size_t kTrimAfterBodyBytes = size_t{1} << 20;
 constexpr absl::Duration kWorkerIdleExit = absl::Seconds(10);
+constexpr absl::Duration kSweepInterval = absl::Milliseconds(100);
 constexpr int kMinWorkers = 4;
 
 enum class Io { kOk, kWantRead, kWantWrite, kEof, kError };
@@ -362,7 +363,7 @@ class ConnectionWriter final : public ResponseWriter {
     std::string out = ResponseHead(status, request_.version_minor, content_type, headers,
                                    absl::StrCat("Content-Length: ", body.size(), "\r\n"), keep_alive_);
     if (!head_only_) out.append(body);
-    return ok_ = c_.WriteAll(out, server_.options.write_timeout);
+    return ok_ = c_.WriteAll(out, server_.options.limits.write_timeout);
   }
   bool BeginChunked(int status, std::string_view content_type, const HttpHeaders& headers) override {
     if (status_ != 0) return false;
@@ -373,19 +374,19 @@ class ConnectionWriter final : public ResponseWriter {
     if (!chunked_) keep_alive_ = false;
     std::string out = ResponseHead(status, request_.version_minor, content_type, headers,
                                    chunked_ ? "Transfer-Encoding: chunked\r\n" : "", keep_alive_);
-    return ok_ = c_.WriteAll(out, server_.options.write_timeout);
+    return ok_ = c_.WriteAll(out, server_.options.limits.write_timeout);
   }
   bool WriteChunk(std::string_view data) override {
     if (!ok_ || status_ == 0 || ended_) return false;
     if (data.empty() || head_only_) return true;
     std::string out = chunked_ ? absl::StrCat(absl::Hex(data.size()), "\r\n", AV(data), "\r\n") : std::string(data);
-    return ok_ = c_.WriteAll(out, server_.options.write_timeout);
+    return ok_ = c_.WriteAll(out, server_.options.limits.write_timeout);
   }
   bool EndChunked() override {
     if (!ok_ || status_ == 0 || ended_) return false;
     ended_ = true;
     if (!chunked_ || head_only_) return true;
-    return ok_ = c_.WriteAll("0\r\n\r\n", server_.options.write_timeout);
+    return ok_ = c_.WriteAll("0\r\n\r\n", server_.options.limits.write_timeout);
   }
   void Drop(int status) override {
     if (status_ == 0) status_ = status;
@@ -506,7 +507,7 @@ void Http1Server::Impl::Serve(Connection* c) {
         const std::string body = ErrorBody(e.status, e.message);
         c->WriteAll(ResponseHead(e.status, 1, "application/json", {}, absl::StrCat("Content-Length: ", body.size(), "\r\n"),
                                  false) + body,
-                    options.write_timeout);
+                    options.limits.write_timeout);
         c->close_after = true;
         return;
       }
@@ -564,17 +565,17 @@ void Http1Server::Impl::Accept() {
     if (open_gauge != nullptr) open_gauge->Set(static_cast<double>(connections.size()));
     // Over a limit: a plain connection hears 503 + Retry-After; a TLS one is
     // closed (answering would cost a handshake).
-    const bool too_many = connections.size() > options.max_connections;
-    const bool too_many_here = per_ip[c->peer] > options.max_connections_per_ip;
+    const bool too_many = connections.size() > options.limits.max_connections;
+    const bool too_many_here = per_ip[c->peer] > options.limits.max_connections_per_ip;
     if (too_many || too_many_here) {
       CountRefused(too_many ? "connections" : "per_ip");
-      if (ssl_ctx != nullptr || connections.size() > 2 * options.max_connections) {
+      if (ssl_ctx != nullptr || connections.size() > 2 * options.limits.max_connections) {
         Close(c);
       } else {
         Refuse(c,
                503,
-               too_many ? absl::StrCat("the server has ", options.max_connections, " connections open; retry shortly")
-                        : absl::StrCat("this address has ", options.max_connections_per_ip,
+               too_many ? absl::StrCat("the server has ", options.limits.max_connections, " connections open; retry shortly")
+                        : absl::StrCat("this address has ", options.limits.max_connections_per_ip,
                                        " connections open; retry shortly"));
       }
       continue;
@@ -667,7 +668,7 @@ absl::Time Http1Server::Impl::Sweep(absl::Time now) {
       case Connection::Phase::kHandler:
         continue;
       case Connection::Phase::kHandshake:
-        deadline = c->accepted + options.head_timeout;
+        deadline = c->accepted + options.limits.head_timeout;
         if (now >= deadline) {
           CountTimeout("handshake");
           expired.push_back({c, 0});
@@ -680,21 +681,21 @@ absl::Time Http1Server::Impl::Sweep(absl::Time now) {
       case Connection::Phase::kReading:
         switch (c->parser.state()) {
           case HttpRequestParser::State::kIdle:
-            deadline = c->idle_since + options.idle_timeout;
+            deadline = c->idle_since + options.limits.idle_timeout;
             if (now >= deadline) {
               CountTimeout("idle");
               expired.push_back({c, 0});
             }
             break;
           case HttpRequestParser::State::kHead:
-            deadline = std::min(c->request_started + options.head_timeout, c->request_started + options.request_timeout);
+            deadline = std::min(c->request_started + options.limits.head_timeout, c->request_started + options.limits.request_timeout);
             if (now >= deadline) {
               CountTimeout("head");
               expired.push_back({c, 408});
             }
             break;
           default:
-            deadline = c->request_started + options.request_timeout;
+            deadline = c->request_started + options.limits.request_timeout;
             if (now >= deadline) {
               CountTimeout("body");
               expired.push_back({c, 408});
@@ -711,8 +712,8 @@ absl::Time Http1Server::Impl::Sweep(absl::Time now) {
     } else {
       Refuse(c, status,
              c->parser.state() == HttpRequestParser::State::kHead
-                 ? absl::StrCat("the request head did not arrive within ", absl::FormatDuration(options.head_timeout))
-                 : absl::StrCat("the request did not arrive within ", absl::FormatDuration(options.request_timeout)));
+                 ? absl::StrCat("the request head did not arrive within ", absl::FormatDuration(options.limits.head_timeout))
+                 : absl::StrCat("the request did not arrive within ", absl::FormatDuration(options.limits.request_timeout)));
       next = std::min(next, c->linger_until);
     }
   }
@@ -721,13 +722,20 @@ absl::Time Http1Server::Impl::Sweep(absl::Time now) {
 
 void Http1Server::Impl::IoLoop() {
   std::vector<epoll_event> events(256);
+  // The sweep walks every connection, so it runs when the earliest deadline
+  // is due, or at most every kSweepInterval after events that may have set
+  // new deadlines (accepts, request starts, refusals, returns) — not once
+  // per event, which under load would cost O(connections) per wake-up.
   absl::Time next_sweep = absl::InfiniteFuture();
+  absl::Time last_sweep = absl::InfinitePast();
+  bool deadlines_changed = false;
   for (;;) {
     int timeout_ms = -1;
+    const absl::Time wake = deadlines_changed ? std::min(next_sweep, last_sweep + kSweepInterval) : next_sweep;
     if (!ready_again.empty()) {
       timeout_ms = 0;
-    } else if (next_sweep != absl::InfiniteFuture()) {
-      timeout_ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(next_sweep - absl::Now()) + 1, 0,
+    } else if (wake != absl::InfiniteFuture()) {
+      timeout_ms = static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(wake - absl::Now()) + 1, 0,
                                                         60'000));
     }
     const int n = ::epoll_wait(epoll_fd, events.data(), static_cast<int>(events.size()), timeout_ms);
@@ -780,7 +788,13 @@ void Http1Server::Impl::IoLoop() {
       if (handlers_running == 0 && returned.empty()) return;
       continue;
     }
-    next_sweep = Sweep(absl::Now());
+    deadlines_changed |= n > 0 || woken;
+    const absl::Time now = absl::Now();
+    if (now >= next_sweep || (deadlines_changed && now - last_sweep >= kSweepInterval)) {
+      next_sweep = Sweep(now);
+      last_sweep = now;
+      deadlines_changed = false;
+    }
   }
 }
 
@@ -799,8 +813,8 @@ absl::StatusOr<std::unique_ptr<Http1Server>> Http1Server::Start(const Http1Serve
     return absl::InvalidArgumentError(absl::StrCat("http: port must be in [0, 65535], got ", options.port));
   }
   if (options.handler_threads < 1) return absl::InvalidArgumentError("http: threads must be >= 1");
-  if (options.listen_backlog < 1) return absl::InvalidArgumentError("http: the listen backlog must be >= 1");
-  if (options.max_connections < 1 || options.max_connections_per_ip < 1) {
+  if (options.limits.listen_backlog < 1) return absl::InvalidArgumentError("http: the listen backlog must be >= 1");
+  if (options.limits.max_connections < 1 || options.limits.max_connections_per_ip < 1) {
     return absl::InvalidArgumentError("http: connection limits must be >= 1");
   }
   auto impl = std::make_unique<Impl>();
@@ -852,7 +866,7 @@ absl::StatusOr<std::unique_ptr<Http1Server>> Http1Server::Start(const Http1Serve
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, options.listen_backlog) != 0) {
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 || ::listen(fd, options.limits.listen_backlog) != 0) {
       ::close(fd);
       fd = -1;
     }

@@ -47,18 +47,24 @@ class Registry;
 
 namespace exl3serve::coordinator::http {
 
-struct Http1ServerOptions {
-  std::string host = "127.0.0.1";
-  int port = 0;  // 0 = any free port
+// The connection limits and deadlines above; HttpServerOptions carries the
+// same struct through.
+struct HttpConnectionLimits {
   int listen_backlog = 4096;  // the kernel caps it at net.core.somaxconn
-  HttpFramingLimits framing;
-  int handler_threads = 512;  // requests handled at once (a stream holds one)
   size_t max_connections = 8192;
   size_t max_connections_per_ip = 1024;
   absl::Duration head_timeout = absl::Seconds(10);
   absl::Duration request_timeout = absl::Seconds(60);
   absl::Duration idle_timeout = absl::Seconds(60);
   absl::Duration write_timeout = absl::Seconds(60);
+};
+
+struct Http1ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 0;  // 0 = any free port
+  HttpFramingLimits framing;
+  HttpConnectionLimits limits;
+  int handler_threads = 512;  // requests handled at once (a stream holds one)
   // TLS from PEM files; client_ca: clients must present a certificate it signed.
   std::string tls_cert_file;
   std::string tls_key_file;

@@ -451,15 +451,9 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(Engine& engine,
   Http1ServerOptions so;
   so.host = options.host;
   so.port = options.port;
-  so.listen_backlog = options.listen_backlog;
   so.framing.max_body_bytes = options.max_body_bytes;
+  so.limits = options.limits;
   so.handler_threads = options.threads;
-  so.max_connections = options.max_connections;
-  so.max_connections_per_ip = options.max_connections_per_ip;
-  so.head_timeout = options.head_timeout;
-  so.request_timeout = options.request_timeout;
-  so.idle_timeout = options.idle_timeout;
-  so.write_timeout = options.write_timeout;
   so.tls_cert_file = options.tls_cert_file;
   so.tls_key_file = options.tls_key_file;
   so.tls_client_ca_file = options.tls_client_ca_file;

@@ -39,6 +39,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "coordinator/engine.h"
+#include "coordinator/http/http1_server.h"
 
 namespace prometheus {
 class Registry;
@@ -60,14 +61,8 @@ struct HttpServerOptions {
   std::string auth_token_file;
   size_t max_body_bytes = size_t{8} << 20;  // larger bodies get 413
   int threads = 512;                         // requests handled at once (a stream holds one)
-  // The connection layer's limits (http1_server.h).
-  int listen_backlog = 4096;                 // capped by net.core.somaxconn
-  size_t max_connections = 8192;             // beyond: 503 + Retry-After at accept
-  size_t max_connections_per_ip = 1024;
-  absl::Duration head_timeout = absl::Seconds(10);     // request line + headers
-  absl::Duration request_timeout = absl::Seconds(60);  // the whole request, body included
-  absl::Duration idle_timeout = absl::Seconds(60);     // keep-alive without a request
-  absl::Duration write_timeout = absl::Seconds(60);    // a write making no progress
+  // The connection layer's limits and deadlines (http1_server.h).
+  HttpConnectionLimits limits;
   // Streams send ": keep-alive" after this long without data (long prefill).
   absl::Duration keepalive_interval = absl::Seconds(10);
   // "auto" (from the chat template), "hermes", "llama3_json", "mistral", "none".

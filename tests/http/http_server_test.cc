@@ -459,13 +459,7 @@ TEST_F(HttpServerTest, DisconnectAbortsStreamedAndNotStreamedRequests) {
                             absl::StrCat(R"({"stream":)", stream ? "true" : "false",
                                          R"(,"messages":[{"role":"user","content":"slow"}]})")));
     if (stream) {  // read until the first content arrives: the request is running
-      std::string seen;
-      char buf[4096];
-      while (seen.find("tick") == std::string::npos) {
-        const ssize_t n = recv(fd, buf, sizeof buf, 0);
-        ASSERT_GT(n, 0);
-        seen.append(buf, static_cast<size_t>(n));
-      }
+      ASSERT_TRUE(ReadUntil(fd, "tick"));
     } else {
       const absl::Time until = absl::Now() + absl::Seconds(10);
       while (engine_.live() == 0 && absl::Now() < until) absl::SleepFor(absl::Milliseconds(1));

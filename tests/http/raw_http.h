@@ -119,6 +119,20 @@ inline std::vector<std::string> Events(const std::string& body) {
   return events;
 }
 
+// Reads from `fd` until `needle` has arrived; false when the server closed
+// (or failed) first. What was read goes to *seen when given.
+inline bool ReadUntil(int fd, const std::string& needle, std::string* seen = nullptr) {
+  std::string got;
+  char buf[4096];
+  while (got.find(needle) == std::string::npos) {
+    const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) return false;
+    got.append(buf, static_cast<size_t>(n));
+  }
+  if (seen != nullptr) seen->append(got);
+  return true;
+}
+
 // Everything the server sends until it closes or `timeout` passes; sets
 // *closed when it closed.
 inline std::string ReadUntilClose(int fd, absl::Duration timeout, bool* closed = nullptr) {
