@@ -34,9 +34,15 @@ namespace exl3serve::kernels {
 // How the activations enter the inner product.
 enum class TrellisGemmPrecision {
   kFloat,  // fp32 activations and accumulation (the default)
-  kInt8,   // mul1 only: int8 activations with a per-row scale, integer byte-sum
-           // dot products (§9 "int8 path"): y' ≈ scale·(A·Σ t·x_int + C·Σ x_int),
-           // A = 1774·2^-18, C = -905216·2^-18 (mul1 without its fp16 rounding).
+  kInt8,   // mul1 only: int8 activations with a scale per row and 128-row block
+           // of k, integer byte-sum dot products (§9 "int8 path"), per block b
+           // y'_b = scale_b·(A·Σ_b t·x_int + C·Σ_b x_int), A = 1774·2^-18,
+           // C = -905216·2^-18 (mul1 without its fp16 rounding), y' = Σ_b y'_b
+           // summed in fp32 over ascending b. A block's int8 values depend on
+           // that block's 128 inputs only, so a rank holding a range of blocks
+           // of a row-parallel linear (every TP split is by whole 128-blocks)
+           // computes exactly the terms the whole linear would: tensor
+           // parallelism changes only the fp32 summation order, as in kFloat.
            // Not bit-comparable to kFloat (measured 0.8-0.9 % RMS of the output for
            // Gaussian x, K=2..4, 4096x1024;
            // bound in tests/kernels/trellis_gemm_test.cc), but bit-identical

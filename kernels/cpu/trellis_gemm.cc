@@ -47,43 +47,70 @@ void BuildPositionOrder(const float* x_had, int64_t m, int64_t k, float* x_pos) 
   }
 }
 
-// kInt8 activations: per-row scale max|x'|/127, RNE to int8, replicated into
-// the four bytes of a word (each byte of the codebook product meets a copy).
+// kInt8 activations: per row and 128-row block b of k, scale max|x'_b|/127,
+// RNE to int8, replicated into the four bytes of a word (each byte of the
+// codebook product meets a copy). Every array block-major, each block laid
+// out as for k = 128 (TrellisGemmProblem): x_pos_i8 and x_pair_i8
+// [b][i][8 tiles][...], x_pair_i16 [b][8 tiles][i][8]; x_scale and x_int_sum
+// [i][b].
 void BuildInt8PositionOrder(const float* x_had, int64_t m, int64_t k, uint32_t* x_pos_i8,
                             uint32_t* x_pair_i8, uint32_t* x_pair_i16, float* x_scale,
                             int32_t* x_int_sum) {
-  const int64_t groups = k / kTileDim;
-  std::vector<int8_t> q(static_cast<size_t>(k));
+  constexpr int64_t kTilesPerBlock = kColumnBlock / kTileDim;
+  const int64_t blocks = k / kColumnBlock;
+  int8_t q[kColumnBlock];
   for (int64_t i = 0; i < m; ++i) {
-    const float* row = x_had + i * k;
-    float max_abs = 0.0f;
-    for (int64_t r = 0; r < k; ++r) max_abs = std::max(max_abs, std::fabs(row[r]));
-    const float scale = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
-    const float inv = 1.0f / scale;
-    int32_t sum = 0;
-    for (int64_t r = 0; r < k; ++r) {
-      const float v = std::nearbyint(row[r] * inv);
-      q[r] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
-      sum += q[r];
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* row = x_had + i * k + b * kColumnBlock;
+      float max_abs = 0.0f;
+      for (int64_t r = 0; r < kColumnBlock; ++r) max_abs = std::max(max_abs, std::fabs(row[r]));
+      const float scale = max_abs > 0.0f ? max_abs / 127.0f : 1.0f;
+      const float inv = 1.0f / scale;
+      int32_t sum = 0;
+      for (int64_t r = 0; r < kColumnBlock; ++r) {
+        const float v = std::nearbyint(row[r] * inv);
+        q[r] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+        sum += q[r];
+      }
+      x_scale[i * blocks + b] = scale;
+      x_int_sum[i * blocks + b] = sum;
+      for (int64_t tl = 0; tl < kTilesPerBlock; ++tl) {
+        uint32_t* dst = x_pos_i8 + ((b * m + i) * kTilesPerBlock + tl) * 32;
+        for (int e = 0; e < 32; ++e) {
+          const uint8_t byte = static_cast<uint8_t>(q[tl * kTileDim + GroupPositionRow(e)]);
+          dst[e] = byte * 0x01010101u;
+        }
+        uint32_t* pair = x_pair_i8 + ((b * m + i) * kTilesPerBlock + tl) * 8;
+        uint32_t* pair16 = x_pair_i16 + ((b * kTilesPerBlock + tl) * m + i) * 8;
+        for (int s = 0; s < 8; ++s) {
+          const uint32_t b0 = static_cast<uint8_t>(q[tl * kTileDim + 2 * s]);
+          const uint32_t b1 = static_cast<uint8_t>(q[tl * kTileDim + 2 * s + 1]);
+          pair[s] = b0 * 0x0101u + b1 * 0x01010000u;
+          const uint32_t w0 = static_cast<uint16_t>(q[tl * kTileDim + 2 * s]);  // sign-extended
+          const uint32_t w1 = static_cast<uint16_t>(q[tl * kTileDim + 2 * s + 1]);
+          pair16[s] = w0 | w1 << 16;
+        }
+      }
     }
-    x_scale[i] = scale;
-    x_int_sum[i] = sum;
-    for (int64_t tk = 0; tk < groups; ++tk) {
-      uint32_t* dst = x_pos_i8 + (i * groups + tk) * 32;
-      for (int e = 0; e < 32; ++e) {
-        const uint8_t byte = static_cast<uint8_t>(q[tk * kTileDim + GroupPositionRow(e)]);
-        dst[e] = byte * 0x01010101u;
-      }
-      uint32_t* pair = x_pair_i8 + (i * groups + tk) * 8;
-      uint32_t* pair16 = x_pair_i16 + (tk * m + i) * 8;
-      for (int s = 0; s < 8; ++s) {
-        const uint32_t b0 = static_cast<uint8_t>(q[tk * kTileDim + 2 * s]);
-        const uint32_t b1 = static_cast<uint8_t>(q[tk * kTileDim + 2 * s + 1]);
-        pair[s] = b0 * 0x0101u + b1 * 0x01010000u;
-        const uint32_t w0 = static_cast<uint16_t>(q[tk * kTileDim + 2 * s]);  // sign-extended
-        const uint32_t w1 = static_cast<uint16_t>(q[tk * kTileDim + 2 * s + 1]);
-        pair16[s] = w0 | w1 << 16;
-      }
+  }
+}
+
+// kInt8: y[i][n0 + c] (first block: =, else +=) the epilogue of block b's
+// dots y_int[i][n0 + c], for the 128 columns of block n0. Plain fp32 adds in
+// ascending b (no multiply-add here to contract: the product is inside
+// Int8Epilogue's rounding).
+void AccumulateInt8Block(const int32_t* y_int, int64_t m, int64_t n, int64_t n0,
+                         const float* x_scale, const int32_t* x_int_sum, int64_t blocks,
+                         int64_t b, float* y) {
+  for (int64_t i = 0; i < m; ++i) {
+    const float scale = x_scale[i * blocks + b];
+    const int32_t sum = x_int_sum[i * blocks + b];
+    const int32_t* dots = y_int + i * n + n0;
+    float* out = y + i * n + n0;
+    if (b == 0) {
+      for (int64_t c = 0; c < kColumnBlock; ++c) out[c] = Int8Epilogue(dots[c], sum, scale);
+    } else {
+      for (int64_t c = 0; c < kColumnBlock; ++c) out[c] += Int8Epilogue(dots[c], sum, scale);
     }
   }
 }
@@ -194,21 +221,53 @@ absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t 
     x_pos_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 32));
     x_pair_i8.resize(static_cast<size_t>(m * (k / kTileDim) * 8));
     x_pair_i16.resize(x_pair_i8.size());
-    x_scale.resize(static_cast<size_t>(m));
-    x_int_sum.resize(static_cast<size_t>(m));
+    x_scale.resize(static_cast<size_t>(m * (k / kColumnBlock)));
+    x_int_sum.resize(x_scale.size());
     BuildInt8PositionOrder(x_had.data(), m, k, x_pos_i8.data(), x_pair_i8.data(),
                            x_pair_i16.data(), x_scale.data(), x_int_sum.data());
-    problem.x_pos_i8 = x_pos_i8.data();
-    problem.x_pair_i8 = x_pair_i8.data();
-    problem.x_pair_i16 = x_pair_i16.data();
-    problem.x_scale = x_scale.data();
-    problem.x_int_sum = x_int_sum.data();
   } else if (m <= kPositionOrderMaxRows) {
     x_pos.resize(static_cast<size_t>(m * (k / kTileDim) * 32));
     BuildPositionOrder(x_had.data(), m, k, x_pos.data());
     problem.x_pos = x_pos.data();
   }
 
+  if (options.precision == TrellisGemmPrecision::kInt8) {
+    // One sub-problem per 128-row block of k (trellis_gemm.h kInt8): the
+    // view of its 8 rows of tiles, its activations; the kernel's int32 dots
+    // land in y_int and are scaled and summed here, block by block.
+    constexpr int64_t kTilesPerBlock = kColumnBlock / kTileDim;
+    const int64_t blocks = k / kColumnBlock;
+    const int64_t tile_words = TileInt16Count(view.bits);
+    std::vector<Exl3LinearView> block_views(static_cast<size_t>(blocks), view);
+    std::vector<TrellisGemmProblem> block_problems(static_cast<size_t>(blocks), problem);
+    std::vector<int32_t> y_int(static_cast<size_t>(m * n));
+    for (int64_t b = 0; b < blocks; ++b) {
+      Exl3LinearView& v = block_views[b];
+      v.k = kColumnBlock;
+      v.trellis = view.trellis + b * kTilesPerBlock * (n / kTileDim) * tile_words;
+      v.suh = view.suh + b * kColumnBlock;
+      TrellisGemmProblem& p = block_problems[b];
+      p.view = &v;
+      p.x_had = x_had.data();  // unused by the int8 kernels
+      p.x_pos_i8 = x_pos_i8.data() + b * m * kTilesPerBlock * 32;
+      p.x_pair_i8 = x_pair_i8.data() + b * m * kTilesPerBlock * 8;
+      p.x_pair_i16 = x_pair_i16.data() + b * kTilesPerBlock * m * 8;
+      p.y = nullptr;
+      p.y_int = y_int.data();
+    }
+    pool.ParallelFor(n / kColumnBlock, threads, [&](int64_t block, int) {
+      if (blocks == 0) {  // k = 0: y' = 0
+        for (int64_t i = 0; i < m; ++i) std::fill_n(y + i * n + block * kColumnBlock, kColumnBlock, 0.0f);
+      }
+      for (int64_t b = 0; b < blocks; ++b) {
+        block_fn(block_problems[b], block);
+        AccumulateInt8Block(y_int.data(), m, n, block * kColumnBlock, x_scale.data(),
+                            x_int_sum.data(), blocks, b, y);
+      }
+      OutputTransformBlock(view, m, block, y);
+    });
+    return absl::OkStatus();
+  }
   pool.ParallelFor(n / kColumnBlock, threads, [&](int64_t block, int) {
     block_fn(problem, block);
     OutputTransformBlock(view, m, block, y);
@@ -253,7 +312,7 @@ void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t
   std::vector<int32_t> t_dot(int8 ? static_cast<size_t>(m * internal::kColumnBlock) : 0, 0);
   const float* lookup = GetCodebookTable(view.codebook).value;
 
-  for (int64_t i = 0; i < m; ++i) {
+  for (int64_t i = 0; i < m && !int8; ++i) {
     for (int64_t c = 0; c < internal::kColumnBlock; ++c) problem.y[i * n + n0 + c] = 0.0f;
   }
   uint16_t states[kTileWeights];
@@ -319,8 +378,7 @@ void TrellisGemmColumnBlock(const internal::TrellisGemmProblem& problem, int64_t
   if (int8) {
     for (int64_t i = 0; i < m; ++i) {
       for (int c = 0; c < internal::kColumnBlock; ++c) {
-        problem.y[i * n + n0 + c] = internal::Int8Epilogue(
-            t_dot[i * internal::kColumnBlock + c], problem.x_int_sum[i], problem.x_scale[i]);
+        problem.y_int[i * n + n0 + c] = t_dot[i * internal::kColumnBlock + c];
       }
     }
   }

@@ -198,14 +198,11 @@ void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
     }
     for (int b = 0; b < R; ++b) {
       const int64_t row = row0 + b;
-      float* out = pr.y + row * view.n + n0 + tn * kTileDim;
+      int32_t* out = pr.y_int + row * view.n + n0 + tn * kTileDim;
       for (int p = 0; p < 8; ++p) {
         alignas(32) int32_t lanes[8];
         _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc[b][p]);
-        int32_t cp, cp8;
-        ReduceGroup(lanes, &cp, &cp8);
-        out[p] = internal::Int8Epilogue(cp, pr.x_int_sum[row], pr.x_scale[row]);
-        out[p + 8] = internal::Int8Epilogue(cp8, pr.x_int_sum[row], pr.x_scale[row]);
+        ReduceGroup(lanes, &out[p], &out[p + 8]);
       }
     }
   }

@@ -337,14 +337,11 @@ void GemvRowsInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0) {
     }
     for (int b = 0; b < R; ++b) {
       const int64_t row = row0 + b;
-      float* out = pr.y + row * view.n + n0 + tn * kTileDim;
+      int32_t* out = pr.y_int + row * view.n + n0 + tn * kTileDim;
       for (int p = 0; p < 8; ++p) {
         alignas(64) int32_t lanes[16];
         _mm512_store_si512(lanes, acc[b][p]);
-        int32_t cp, cp8;
-        ReduceGroup(lanes, &cp, &cp8);
-        out[p] = internal::Int8Epilogue(cp, pr.x_int_sum[row], pr.x_scale[row]);
-        out[p + 8] = internal::Int8Epilogue(cp8, pr.x_int_sum[row], pr.x_scale[row]);
+        ReduceGroup(lanes, &out[p], &out[p + 8]);
       }
     }
   }
@@ -475,13 +472,10 @@ void GemvStripsInt8(const TrellisGemmProblem& pr, int64_t n0) {
   }
   for (int tn = 0; tn < kTilesPerBlock; ++tn) {
     for (int64_t row = 0; row < m; ++row) {
-      float* out = pr.y + row * view.n + n0 + tn * kTileDim;
+      int32_t* out = pr.y_int + row * view.n + n0 + tn * kTileDim;
       const int32_t* lanes = sums + ((tn * m + row) * 8) * 16;
       for (int p = 0; p < 8; ++p, lanes += 16) {
-        int32_t cp, cp8;
-        ReduceGroup(lanes, &cp, &cp8);
-        out[p] = internal::Int8Epilogue(cp, pr.x_int_sum[row], pr.x_scale[row]);
-        out[p + 8] = internal::Int8Epilogue(cp8, pr.x_int_sum[row], pr.x_scale[row]);
+        ReduceGroup(lanes, &out[p], &out[p + 8]);
       }
     }
   }

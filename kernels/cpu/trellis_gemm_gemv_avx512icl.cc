@@ -207,14 +207,9 @@ inline void StoreInt8(const TrellisGemmProblem& pr, int64_t n0, int64_t row0, in
                       const __m512i (&acc)[R][C]) {
   for (int b = 0; b < R; ++b) {
     const int64_t row = row0 + b;
-    float* out = pr.y + row * pr.view->n + n0 + tn0 * kTileDim;
+    int32_t* out = pr.y_int + row * pr.view->n + n0 + tn0 * kTileDim;
     for (int c = 0; c < C; ++c) {
-      alignas(64) int32_t lanes[16];
-      _mm512_store_si512(lanes, acc[b][c]);
-      for (int j = 0; j < 16; ++j) {
-        out[c * kTileDim + j] =
-            internal::Int8Epilogue(lanes[j], pr.x_int_sum[row], pr.x_scale[row]);
-      }
+      _mm512_storeu_si512(out + c * kTileDim, acc[b][c]);
     }
   }
 }

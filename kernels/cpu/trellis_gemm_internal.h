@@ -82,8 +82,11 @@ struct TrellisGemmProblem {
   // kFloat, m <= kPositionOrderMaxRows: m x (k/16) x 32, x_pos[i][tk][e] =
   // x'[i][16·tk + GroupPositionRow(e)] (else null).
   const float* x_pos = nullptr;
+  // kInt8: the kernels see one 128-row block of k at a time (view->k = 128,
+  // the driver sums the blocks; trellis_gemm.h), so every array below is
+  // that block's, laid out as for k = 128.
   // kInt8: m x (k/16) x 32 words, the int8 of x'[i][16·tk + GroupPositionRow(e)]/scale
-  // replicated into all four bytes; x_scale[i], x_int_sum[i] = Σ_r int8 of x'[i][r].
+  // replicated into all four bytes (scale: the block's, per row).
   const uint32_t* x_pos_i8 = nullptr;
   // kInt8: m x (k/16) x 8 words, word s = bytes [q(2s), q(2s), q(2s+1), q(2s+1)]
   // with q(r) the int8 of x'[i][16·tk + r] (the AVX-512 VBMI2 GEMV's slices).
@@ -92,8 +95,9 @@ struct TrellisGemmProblem {
   // pointer plus constant offsets reaches every row of a pass), word s =
   // q(2s) | q(2s+1) << 16 sign-extended (the VBMI2 GEMV's vpdpwssd form).
   const uint32_t* x_pair_i16 = nullptr;
-  const float* x_scale = nullptr;
-  const int32_t* x_int_sum = nullptr;
+  // kInt8: the kernel's output, m x n exact int32 dots Σ_r t·x_int (of the
+  // block's 128 rows of k) in place of y.
+  int32_t* y_int = nullptr;
   // kBf16: ceil(m / kBf16RowGroup) x (k/2) x kBf16RowGroup words (see above).
   const uint32_t* x_bf16 = nullptr;
   // kBf16: roundup(m, kBf16AmxRows) x k bf16 in A-tile order (see above).
@@ -102,18 +106,19 @@ struct TrellisGemmProblem {
 };
 
 // Writes y'[i][n0 + c] = Σ_r x'[i][r]·W_h[r][n0 + c] for all i < m, c < 128,
-// n0 = 128·block (kInt8: the affine int8 estimate, see trellis_gemm.h), into
-// problem.y. Must not read y before writing it.
+// n0 = 128·block, into problem.y (kInt8: the int32 dots Σ_r t·x_int into
+// problem.y_int, see trellis_gemm.h). Must not read y before writing it.
 using ColumnBlockFn = void (*)(const TrellisGemmProblem& problem, int64_t block);
 
 // The driver described above; `block_fn` is the variant's inner kernel.
 absl::Status RunTrellisGemm(const Exl3LinearView& view, const float* x, int64_t m, float* y,
                             const TrellisGemmOptions& options, ColumnBlockFn block_fn);
 
-// kInt8 epilogue shared by all variants so they agree bit for bit:
-// y' = scale·(kMul1Slope·Σ t·x_int + kMul1Offset·Σ x_int). Out of line, in
-// the scalar translation unit: inlined into an FMA-enabled file, GCC would
-// contract it into a vfmadd and the variants would differ in the last bit.
+// kInt8 epilogue of one 128-row block of k, shared by all variants so they
+// agree bit for bit: y' = scale·(kMul1Slope·Σ t·x_int + kMul1Offset·Σ x_int).
+// Out of line, in the scalar translation unit: inlined into an FMA-enabled
+// file, GCC would contract it into a vfmadd and the variants would differ in
+// the last bit.
 float Int8Epilogue(int32_t t_dot, int32_t x_sum, float scale);
 
 }  // namespace exl3serve::kernels::cpu::internal

@@ -22,10 +22,12 @@
 // m > kGemvMaxRows runs the GEMV in passes of kGemvMaxRows rows; from
 // kCublasMinRows rows W_h is decoded (bit-exactly, as fp32) in column slices
 // and multiplied with cuBLAS SGEMM, then the same output transform runs in place.
-// kInt8 (mul1): QuantizeInt8Kernel (per-row scale, int8 words) between the
-// input transform and the GEMV; the GEMV's int8 variant accumulates Σ t·q with
-// dp4a (int32 partials), and the output transform starts with the CPU's
-// Int8Epilogue; every step matches the CPU kInt8 path bit for bit.
+// kInt8 (mul1): QuantizeInt8Kernel (a scale per row and 128-row block of k,
+// int8 words) between the input transform and the GEMV; the GEMV's int8
+// variant runs one k split per 128-row block and accumulates Σ t·q with dp4a
+// (int32 partials), and the output transform starts with the CPU's
+// Int8Epilogue per block, summed over ascending blocks; every step matches
+// the CPU kInt8 path bit for bit.
 #include "kernels/cuda/trellis_gemm.h"
 
 #include <cublas_v2.h>
@@ -70,7 +72,7 @@ constexpr int64_t kSliceMaxBytes = int64_t{256} << 20;     // W_h fp32 slice for
 constexpr int kAllocAlign = 256;
 
 constexpr float kHadamardScaleF = static_cast<float>(kHadamardScale);
-constexpr int kQuantThreads = 256;                         // int8 quantize: one block per row
+constexpr int kQuantThreads = 128;                         // int8 quantize: one block per (row, 128-block)
 // mul1 before its fp16 rounding is affine in the byte sum t (§4.3): value =
 // kMul1SlopeF·t + kMul1OffsetF, both exact in fp32 (the CPU kInt8 epilogue's constants).
 constexpr float kMul1SlopeF = 1774.0f / 262144.0f;
@@ -107,8 +109,9 @@ __global__ void InputTransformKernel(const float* __restrict__ x, const float* _
 
 // §5.3 step 3. partial is [splits][m][n]; y may equal partial (splits == 1):
 // each thread reads its element before any thread writes it back.
-// kInt8 (partial_i8 != null): y' = scale·(slope·Σ_s t_dot + offset·x_int_sum),
-// the CPU's Int8Epilogue op for op (int32 sums wrap like the CPU's).
+// kInt8 (partial_i8 != null; split s = 128-row block s of k, x_scale and
+// x_int_sum [row][splits]): y' = Σ_s scale_s·(slope·t_dot_s + offset·x_int_sum_s)
+// over ascending s, the CPU's Int8Epilogue and block sum op for op.
 __global__ void OutputTransformKernel(const float* partial, const int32_t* partial_i8,
                                       const float* __restrict__ x_scale,
                                       const int32_t* __restrict__ x_int_sum, int splits,
@@ -122,13 +125,14 @@ __global__ void OutputTransformKernel(const float* partial, const int32_t* parti
     const int64_t col = (b % strips) * kHadamardSize + t;
     float sum;
     if (partial_i8 != nullptr) {
-      uint32_t t_dot = 0;
+      sum = 0.0f;
       for (int s = 0; s < splits; ++s) {
-        t_dot += static_cast<uint32_t>(partial_i8[(s * m + row) * n + col]);
+        const int32_t t_dot = partial_i8[(s * m + row) * n + col];
+        const float dot = __fmul_rn(kMul1SlopeF, static_cast<float>(t_dot));
+        const float offset = __fmul_rn(kMul1OffsetF, static_cast<float>(x_int_sum[row * splits + s]));
+        const float block = __fmul_rn(x_scale[row * splits + s], __fadd_rn(dot, offset));
+        sum = s == 0 ? block : __fadd_rn(sum, block);
       }
-      const float dot = __fmul_rn(kMul1SlopeF, static_cast<float>(static_cast<int32_t>(t_dot)));
-      const float offset = __fmul_rn(kMul1OffsetF, static_cast<float>(x_int_sum[row]));
-      sum = __fmul_rn(x_scale[row], __fadd_rn(dot, offset));
     } else {
       sum = partial[row * n + col];
       for (int s = 1; s < splits; ++s) sum = __fadd_rn(sum, partial[(s * m + row) * n + col]);
@@ -152,21 +156,25 @@ __global__ void OutputTransformKernel(const float* partial, const int32_t* parti
   }
 }
 
-// kInt8 activations, exactly as the CPU's BuildInt8PositionOrder: per row
-// scale = max|x'|/127 (1 when all zero), q = clamp(rint(x'·(1/scale)), ±127);
-// q_words[i][r] = the byte of q replicated four times (one dp4a operand),
-// x_int_sum[i] = Σ_r q. One kQuantThreads block per row (grid-stride).
+// kInt8 activations, exactly as the CPU's BuildInt8PositionOrder: per row i
+// and 128-row block b of k, scale = max|x'|/127 over the block (1 when all
+// zero), q = clamp(rint(x'·(1/scale)), ±127); q_words[i][r] = the byte of q
+// replicated four times (one dp4a operand), x_scale and x_int_sum [i][b]
+// (x_int_sum = Σ q over the block). One kQuantThreads (= 128) block per
+// (row, block), grid-stride.
 __global__ void QuantizeInt8Kernel(const float* __restrict__ x_had, int64_t m, int64_t k,
                                    uint32_t* __restrict__ q_words, float* __restrict__ x_scale,
                                    int32_t* __restrict__ x_int_sum) {
+  static_assert(kQuantThreads == 128, "one thread per row of a 128-row block");
   __shared__ float max_part[kQuantThreads];
   __shared__ int32_t sum_part[kQuantThreads];
   const int t = static_cast<int>(threadIdx.x);
-  for (int64_t row = blockIdx.x; row < m; row += gridDim.x) {
-    const float* xr = x_had + row * k;
-    float max_abs = 0.0f;
-    for (int64_t r = t; r < k; r += kQuantThreads) max_abs = fmaxf(max_abs, fabsf(xr[r]));
-    max_part[t] = max_abs;
+  const int64_t blocks = k / kQuantThreads;
+  for (int64_t rb = blockIdx.x; rb < m * blocks; rb += gridDim.x) {
+    const int64_t row = rb / blocks;
+    const int64_t r = (rb % blocks) * kQuantThreads + t;
+    const float x = x_had[row * k + r];
+    max_part[t] = fabsf(x);
     __syncthreads();
     for (int half = kQuantThreads / 2; half > 0; half >>= 1) {
       if (t < half) max_part[t] = fmaxf(max_part[t], max_part[t + half]);
@@ -174,24 +182,20 @@ __global__ void QuantizeInt8Kernel(const float* __restrict__ x_had, int64_t m, i
     }
     const float scale = max_part[0] > 0.0f ? __fdiv_rn(max_part[0], 127.0f) : 1.0f;
     const float inv = __fdiv_rn(1.0f, scale);
-    int32_t sum = 0;
-    for (int64_t r = t; r < k; r += kQuantThreads) {
-      const float q = fminf(fmaxf(rintf(__fmul_rn(xr[r], inv)), -127.0f), 127.0f);
-      const int32_t qi = static_cast<int32_t>(q);
-      sum += qi;
-      q_words[row * k + r] = static_cast<uint32_t>(static_cast<uint8_t>(qi)) * 0x01010101u;
-    }
-    sum_part[t] = sum;
+    const float q = fminf(fmaxf(rintf(__fmul_rn(x, inv)), -127.0f), 127.0f);
+    const int32_t qi = static_cast<int32_t>(q);
+    q_words[row * k + r] = static_cast<uint32_t>(static_cast<uint8_t>(qi)) * 0x01010101u;
+    sum_part[t] = qi;
     __syncthreads();
     for (int half = kQuantThreads / 2; half > 0; half >>= 1) {
       if (t < half) sum_part[t] += sum_part[t + half];
       __syncthreads();
     }
     if (t == 0) {
-      x_scale[row] = scale;
-      x_int_sum[row] = sum_part[0];
+      x_scale[rb] = scale;
+      x_int_sum[rb] = sum_part[0];
     }
-    __syncthreads();  // max_part / sum_part are rewritten by the next row
+    __syncthreads();  // max_part / sum_part are rewritten by the next (row, block)
   }
 }
 
@@ -579,6 +583,8 @@ absl::Status RunGemvPath(const Exl3LinearView& v, const float* x_had, int64_t m,
     const int64_t want = std::clamp<int64_t>(
         (static_cast<int64_t>(kTargetBlocksPerSm) * sm_count + strips - 1) / strips, 1, groups_k);
     groups_per_split = std::min((groups_k + want - 1) / want, groups_cap);
+    // kInt8: one split per 128-row block (each block has its own scale).
+    if (int8) groups_per_split = 1;
     splits = (groups_k + groups_per_split - 1) / groups_per_split;
   }
   if (splits > 65535) {
@@ -598,15 +604,17 @@ absl::Status RunGemvPath(const Exl3LinearView& v, const float* x_had, int64_t m,
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = x_scale.Allocate(static_cast<size_t>(m) * 4, "int8 row scales");
+    if (absl::Status s = x_scale.Allocate(static_cast<size_t>(m * groups_k) * 4 + 4,
+                                          "int8 block scales");
         !s.ok()) {
       return s;
     }
-    if (absl::Status s = x_int_sum.Allocate(static_cast<size_t>(m) * 4, "int8 row sums");
+    if (absl::Status s = x_int_sum.Allocate(static_cast<size_t>(m * groups_k) * 4 + 4,
+                                            "int8 block sums");
         !s.ok()) {
       return s;
     }
-    QuantizeInt8Kernel<<<GridFor(m, kMaxTransformBlocks), kQuantThreads, 0, stream>>>(
+    QuantizeInt8Kernel<<<GridFor(m * groups_k, kMaxTransformBlocks), kQuantThreads, 0, stream>>>(
         x_had, m, v.k, static_cast<uint32_t*>(q_words.get()), x_scale.floats(),
         static_cast<int32_t*>(x_int_sum.get()));
     if (absl::Status s = CudaStatus(cudaGetLastError(), "launching the int8 quantization");
@@ -652,10 +660,10 @@ absl::Status RunGemvPath(const Exl3LinearView& v, const float* x_had, int64_t m,
       }
     }
     Int8Rows int8_rows;
-    if (int8) {
+    if (int8 && groups_k > 0) {  // k = 0: the cleared partial sums, as kFloat
       int8_rows.partial = static_cast<const int32_t*>(partial.get());
-      int8_rows.x_scale = x_scale.floats() + row0;
-      int8_rows.x_int_sum = static_cast<const int32_t*>(x_int_sum.get()) + row0;
+      int8_rows.x_scale = x_scale.floats() + row0 * groups_k;
+      int8_rows.x_int_sum = static_cast<const int32_t*>(x_int_sum.get()) + row0 * groups_k;
     }
     if (absl::Status s = RunOutputTransform(v, partial.floats(), static_cast<int>(splits), rows,
                                             y + row0 * v.n, stream, int8_rows);

@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -30,7 +31,7 @@ namespace {
 // fp32 vs float64 or vs another fp32 accumulation order: k ≤ 512 terms of
 // |w| < 4, fp32 butterflies on both sides; observed worst ~3e-6.
 constexpr double kFloatTol = 3e-5;
-// kInt8 vs kFloat: int8 activations (step max|x'|/127 per row) and mul1
+// kInt8 vs kFloat: int8 activations (step max|x'|/127 per row and 128-block) and mul1
 // without its fp16 rounding; RMS over all outputs relative to the RMS of the
 // normalisation above (0.8-0.9 % of the output RMS on 4096-wide Gaussian x).
 constexpr double kInt8RmsTol = 2.5e-2;
@@ -197,6 +198,55 @@ TEST(TrellisGemmTest, ResultsAreBitIdenticalForAnyThreadCount) {
             << v.name << " m=" << m << " precision " << int(p);
         EXPECT_EQ(0, std::memcmp(a.data(), c.data(), a.size() * sizeof(float)))
             << v.name << " m=" << m << " precision " << int(p);
+      }
+    }
+  }
+}
+
+// kInt8 is what tensor parallelism relies on: a rank of a row-parallel
+// linear holds whole 128-row blocks of k, and each block's int8 activations
+// and scale depend on that block's inputs alone, so the ranks' partial
+// outputs sum to the whole linear's output up to fp32 summation order (with
+// one scale per row, each part was quantized on its own scale: ~1 % apart).
+TEST(TrellisGemmTest, Int8RowSplitAtBlocksSumsToTheWholeLinear) {
+  std::mt19937 rng(TestSeed());
+  for (int bits : {2, 4}) {
+    const int64_t k = 640, n = 256;  // 5 blocks of k
+    const Exl3LinearData d = RandomLinear(rng, k, n, bits, Codebook::kMul1, false);
+    const Exl3LinearView whole = d.view();
+    for (int64_t m : {1, 5}) {
+      std::vector<float> x = RandomInput(rng, m, k);
+      // One row with a large outlier in the last block: a shared row scale
+      // would crush the first blocks' resolution.
+      x[k - 3] *= 40.0f;
+      TrellisGemmOptions int8;
+      int8.precision = TrellisGemmPrecision::kInt8;
+      for (const Variant& v : kVariants) {
+        if (!cpu::CpuSupportsIsa(v.isa)) continue;
+        const std::vector<float> y = RunGemm(v.fn, whole, x, m, int8);
+        for (int64_t split : {1, 2, 4}) {  // blocks [0, split) and [split, 5)
+          std::vector<float> sum(static_cast<size_t>(m * n), 0.0f);
+          for (auto [b0, b1] : {std::pair<int64_t, int64_t>{0, split}, {split, 5}}) {
+            Exl3LinearView part = whole;
+            part.k = (b1 - b0) * 128;
+            part.trellis = whole.trellis + b0 * 8 * (n / 16) * 16 * bits;
+            part.suh = whole.suh + b0 * 128;
+            std::vector<float> xs(static_cast<size_t>(m * part.k));
+            for (int64_t i = 0; i < m; ++i) {
+              std::copy_n(&x[i * k + b0 * 128], part.k, &xs[i * part.k]);
+            }
+            const std::vector<float> ys = RunGemm(v.fn, part, xs, m, int8);
+            for (size_t j = 0; j < sum.size(); ++j) sum[j] += ys[j];
+          }
+          double worst = 0;
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t c = 0; c < n; ++c) {
+              worst = std::max(worst, std::abs(double(sum[i * n + c]) - y[i * n + c]) /
+                                          Norm(whole, x, i, c));
+            }
+          }
+          EXPECT_LE(worst, 1e-5) << v.name << " K=" << bits << " m=" << m << " split=" << split;
+        }
       }
     }
   }

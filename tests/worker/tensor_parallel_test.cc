@@ -1,7 +1,8 @@
 // Tensor and expert parallelism end to end: N rank processes (exl3serve
 // worker, shm collectives) driven by LocalGroup against the same model run
 // in this process (TP = 1) — logits within 1e-4 relative, identical greedy
-// tokens over 64 steps; the same with the embedding spilled to disk on every
+// tokens over 64 steps (also at the int8 decode precision, one EXL3 model
+// per architecture); the same with the embedding spilled to disk on every
 // rank (bit-identical logits); a killed rank fails the step within its deadline and
 // leaves no process behind; each rank reads only its part of the checkpoint.
 #include <poll.h>
@@ -172,9 +173,16 @@ double RelativeError(const std::vector<float>& a, const std::vector<float>& b) {
 
 // `capacities`: LocalGroupOptions::capacities (empty = uniform). Returns the
 // group (still running) for further checks.
-std::unique_ptr<LocalGroup> ExpectSameAsOneRank(const std::string& dir, int tp, int ep,
-                                                const std::vector<double>& capacities = {}) {
-  SCOPED_TRACE(::testing::Message() << dir << " tp=" << tp << " ep=" << ep);
+std::unique_ptr<LocalGroup> ExpectSameAsOneRank(
+    const std::string& dir, int tp, int ep, const std::vector<double>& capacities = {},
+    kernels::TrellisGemmPrecision decode = kernels::TrellisGemmPrecision::kFloat) {
+  SCOPED_TRACE(::testing::Message() << dir << " tp=" << tp << " ep=" << ep
+                                    << " decode=" << GemmPrecisionName(decode));
+  // The one-rank reference runs in this process at the same decode precision.
+  struct PrecisionScope {
+    explicit PrecisionScope(kernels::TrellisGemmPrecision p) { (void)SetDecodePrecision(p); }
+    ~PrecisionScope() { (void)SetDecodePrecision(kernels::TrellisGemmPrecision::kFloat); }
+  } scope(decode);
   absl::StatusOr<ModelConfig> config = ReadModelConfig(dir);
   EXPECT_TRUE(config.ok()) << config.status();
   if (!config.ok()) return nullptr;
@@ -182,6 +190,7 @@ std::unique_ptr<LocalGroup> ExpectSameAsOneRank(const std::string& dir, int tp, 
   const Run reference = RunLocal(dir, prompt);
   LocalGroupOptions options = TensorParallelTest::GroupOptions(dir, tp, ep);
   options.capacities = capacities;
+  options.decode_precision = decode;
   absl::StatusOr<std::unique_ptr<LocalGroup>> group = LocalGroup::Start(options);
   EXPECT_TRUE(group.ok()) << group.status();
   if (!group.ok()) return nullptr;
@@ -215,6 +224,69 @@ TEST_F(TensorParallelTest, MoeExpertParallelMatchesOneRank) {
   ExpectSameAsOneRank(models->qwen3_moe, 2, 2);
   ExpectSameAsOneRank(models->qwen3_moe, 3, 3);
   ExpectSameAsOneRank(models->mixtral, 4, 2);  // 2 expert groups, experts split over 2 ranks
+}
+
+// The default decode precision (int8 activations on mul1 linears) gives the
+// same greedy tokens at any TP / EP size, for every architecture: the int8
+// scales are per 128-row block of k, which every split of a row-parallel
+// linear (o_proj, down_proj, experts' down) keeps whole when the split falls
+// on 128-channel boundaries (trellis_gemm.h kInt8) — as it does for every
+// real model's head and MLP widths. The odd test shapes of GLM-4 and
+// DeepSeek-V3 split heads of 48 and 20 channels mid-block, so these use 4
+// heads of 64 (their MLP and expert widths split at 128 already). With one
+// scale per row, TP 2 parted from TP 1 after a few tokens.
+std::string ConvertedTestModel(const std::string& name, const sharding::TestModelOptions& options) {
+  const std::string plain = models->dir.File(name);
+  EXPECT_TRUE(sharding::WriteTestModel(plain, options).ok());
+  sharding::ConvertOptions convert;  // mul1 codebook: the int8 path applies
+  convert.in_dir = plain;
+  convert.out_dir = plain + "-exl3";
+  convert.bits = 3.0;
+  convert.show_progress = false;
+  absl::StatusOr<sharding::ConvertReport> report = sharding::ConvertModel(convert);
+  EXPECT_TRUE(report.ok()) << report.status();
+  return convert.out_dir;
+}
+constexpr kernels::TrellisGemmPrecision kInt8Decode = kernels::TrellisGemmPrecision::kInt8;
+
+TEST_F(TensorParallelTest, Int8DecodeLlamaSameTokensAtTp2And3) {
+  for (int tp : {2, 3}) ExpectSameAsOneRank(Exl3Llama(), tp, 0, {}, kInt8Decode);
+}
+
+TEST_F(TensorParallelTest, Int8DecodeQwen3MoeSameTokensAtTp3AndTp2Ep2) {
+  sharding::TestModelOptions moe;
+  moe.arch = "qwen3-moe";
+  moe.num_experts = 6;
+  moe.seed = 23;
+  const std::string dir = ConvertedTestModel("qwen3-moe-int8", moe);
+  ExpectSameAsOneRank(dir, 3, 0, {}, kInt8Decode);
+  ExpectSameAsOneRank(dir, 2, 2, {}, kInt8Decode);
+}
+
+TEST_F(TensorParallelTest, Int8DecodeGlm4MoeSameTokensAtTp2And3) {
+  sharding::TestModelOptions glm = sharding::Glm4MoeTestDefaults();
+  glm.num_attention_heads = 4;
+  glm.num_key_value_heads = 2;
+  glm.head_dim = 64;
+  const std::string dir = ConvertedTestModel("glm4-moe-int8", glm);
+  for (int tp : {2, 3}) ExpectSameAsOneRank(dir, tp, 0, {}, kInt8Decode);
+}
+
+TEST_F(TensorParallelTest, Int8DecodeDeepseekV3SameTokensAtTp2AndTp2Ep2) {
+  sharding::TestModelOptions deepseek = sharding::DeepseekV3TestDefaults();
+  deepseek.num_attention_heads = 4;
+  deepseek.num_key_value_heads = 4;
+  deepseek.v_head_dim = 64;
+  const std::string dir = ConvertedTestModel("deepseek-v3-int8", deepseek);
+  ExpectSameAsOneRank(dir, 2, 0, {}, kInt8Decode);
+  ExpectSameAsOneRank(dir, 2, 2, {}, kInt8Decode);
+}
+
+TEST_F(TensorParallelTest, Int8DecodeMixtralSameTokensAtTp2) {
+  sharding::TestModelOptions mixtral;
+  mixtral.arch = "mixtral";
+  mixtral.seed = 24;
+  ExpectSameAsOneRank(ConvertedTestModel("mixtral-int8", mixtral), 2, 0, {}, kInt8Decode);
 }
 
 TEST_F(TensorParallelTest, EachRankReadsItsShare) {
