@@ -35,9 +35,10 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
   app.add_option("--arch", args->model.arch,
-                 "llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3 (glm4-moe and "
-                 "deepseek-v3 start from their own odd-sized shapes, "
-                 "sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults; shape options given win)")
+                 "llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3 | qwen3-next | "
+                 "qwen3.5 | qwen3.5-moe (all but the first four start from their own odd-sized "
+                 "shapes, sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults / "
+                 "Qwen3NextTestDefaults; shape options given win)")
       ->capture_default_str();
   AddModelOptions(app, &args->model);
   auto no_q_lora = std::make_shared<bool>(false);
@@ -48,10 +49,12 @@ CommandRunner RegisterMakeTestModelCommand(CLI::App& app) {
                "large logit margins: greedy decoding is deterministic under batching and "
                "quantization (ignored with --tie-embeddings)");
   return [args, no_q_lora, &app]() -> absl::Status {
-    if (args->model.arch == "glm4-moe" || args->model.arch == "deepseek-v3") {
-      sharding::TestModelOptions glm = args->model.arch == "glm4-moe"
-                                           ? sharding::Glm4MoeTestDefaults()
-                                           : sharding::DeepseekV3TestDefaults();
+    const std::string& arch = args->model.arch;
+    const bool hybrid = arch == "qwen3-next" || arch == "qwen3.5" || arch == "qwen3.5-moe";
+    if (arch == "glm4-moe" || arch == "deepseek-v3" || hybrid) {
+      sharding::TestModelOptions glm = arch == "glm4-moe"      ? sharding::Glm4MoeTestDefaults()
+                                       : arch == "deepseek-v3" ? sharding::DeepseekV3TestDefaults()
+                                                               : sharding::Qwen3NextTestDefaults(arch);
       if (*no_q_lora) glm.q_lora_rank = 0;
       const sharding::TestModelOptions& given = args->model;
       if (app.count("--layers") > 0) glm.num_layers = given.num_layers;
@@ -82,8 +85,9 @@ CommandRunner RegisterMakeDemoModelCommand(CLI::App& app) {
   auto args = std::make_shared<Args>();
   app.add_option("--out", args->out, "directory to write")->required();
   app.add_option("--arch", args->arch,
-                 "llama | qwen3 | qwen3-moe | glm4-moe | deepseek-v3 (glm4-moe, deepseek-v3: the "
-                 "make-test-model shape, sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults, "
+                 "llama | qwen3 | qwen3-moe | glm4-moe | deepseek-v3 | qwen3-next | qwen3.5 | "
+                 "qwen3.5-moe (all but the first three: the make-test-model shape, "
+                 "sharding::Glm4MoeTestDefaults / DeepseekV3TestDefaults / Qwen3NextTestDefaults, "
                  "with the demo vocab and peaked logits)")
       ->capture_default_str();
   app.add_option("--tokenizer-dir", args->tokenizer_dir,

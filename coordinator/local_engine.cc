@@ -121,18 +121,28 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                   .max_running = options.max_running,
                                   .step_token_budget = options.step_token_budget,
                                   .max_waiting = 0,  // the queue limit is Submit's
+                                  // A recurrent state cannot resume from a
+                                  // cached prefix yet (worker/model/kv_cache.h).
                                   .enable_prefix_caching =
                                       options.enable_prefix_caching &&
-                                      ExecutorFollowsBlockTables(*executor_),
+                                      ExecutorFollowsBlockTables(*executor_) &&
+                                      !facts_.arch.has_recurrent_state(),
                                   .prefix_cache_salt = PrefixCacheSalt(options),
                                   .disk_blocks = options.kv_disk_blocks,
                                   .draft_token_budget =
                                       options.speculative == SpeculativeMethod::kNone
                                           ? 0
                                           : options.draft_token_budget}),
-      drafting_(options.speculative == SpeculativeMethod::kNgram ||
-                (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr)),
+      drafting_(!facts_.arch.has_recurrent_state() &&
+                (options.speculative == SpeculativeMethod::kNgram ||
+                 (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr))),
       draft_model_(std::move(draft_model)) {
+  if (facts_.arch.has_recurrent_state() &&
+      (options.enable_prefix_caching || options.speculative != SpeculativeMethod::kNone)) {
+    EXL3_LOG(kWarning) << facts_.arch.architecture
+                       << " keeps a recurrent state per sequence: prefix caching and speculative "
+                          "decoding are off for it (state snapshots and rollback are not built yet)";
+  }
   if (options.speculative == SpeculativeMethod::kDraftModel && draft_model_ == nullptr) {
     EXL3_LOG(kError) << "--speculative draft without a draft model: decoding without drafts";
   }
@@ -555,7 +565,7 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_expert_parallel_size(static_cast<uint32_t>(std::max(1, options_.expert_parallel)));
   info.set_num_preemptions(stat_preemptions_);
   info.set_num_replays(stat_replays_);
-  info.set_prefix_cache_enabled(options_.enable_prefix_caching);
+  info.set_prefix_cache_enabled(options_.enable_prefix_caching && !facts_.arch.has_recurrent_state());
   info.set_prefix_cache_queries_tokens(stat_prefix_.queried_tokens);
   info.set_prefix_cache_hits_tokens(stat_prefix_.hit_tokens);
   info.set_prefix_cache_evicted_blocks(stat_prefix_.evicted_blocks);

@@ -210,13 +210,13 @@ std::vector<uint16_t> ToHalfBits(const std::vector<float>& v) {
 // The HF weight name the head reads: lm_head.weight, or the tied embedding.
 absl::StatusOr<std::string> HeadSourceName(const Source& src) {
   if (src.ckpt->Has("lm_head.weight")) return std::string("lm_head.weight");
-  if (src.ckpt->Has("model.embed_tokens.weight")) {
+  const std::string embed = src.arch.EmbedName();
+  if (src.ckpt->Has(embed)) {
     // §2.5: a tied head is cloned from the embedding and quantized separately.
-    return std::string("model.embed_tokens.weight");
+    return embed;
   }
-  return absl::NotFoundError(
-      "tensor `lm_head.weight` is missing and there is no `model.embed_tokens.weight` to tie it "
-      "to");
+  return absl::NotFoundError(absl::StrCat("tensor `lm_head.weight` is missing and there is no `",
+                                          embed, "` to tie it to"));
 }
 
 // Names of all source tensors that belong to a linear (weight/bias).
@@ -407,9 +407,9 @@ absl::Status Converter::OpenSource() {
                                               l.in_features, "]"));
     }
   }
-  if (!src_.ckpt->Has("model.embed_tokens.weight")) {
+  if (!src_.ckpt->Has(src_.arch.EmbedName())) {
     return absl::NotFoundError(
-        absl::StrCat(opt_.in_dir, ": tensor `model.embed_tokens.weight` is missing"));
+        absl::StrCat(opt_.in_dir, ": tensor `", src_.arch.EmbedName(), "` is missing"));
   }
   return absl::OkStatus();
 }
@@ -656,14 +656,26 @@ absl::Status Converter::Compile(ConvertReport* report) {
 
   // Plain tensors by layer (-1: before the layers, num_layers: after).
   std::map<int, std::vector<std::string>> plain_by_layer;
-  int skipped_mtp = 0;
+  int skipped_mtp = 0, skipped_vision = 0;
+  const std::string embed_prefix = src_.arch.tensor_prefix + ".embed_tokens.";
+  const std::string layers_prefix = src_.arch.tensor_prefix + ".layers.";
   for (const std::string& name : src_.ckpt->TensorNames()) {
     if (linear_tensors.count(name)) continue;
     int layer = src_.arch.num_layers;
-    if (absl::StartsWith(name, "model.embed_tokens.")) {
+    // Qwen3.5: the vision tower (image input is not served yet) and the
+    // MTP head (`mtp.*`, not built yet) are not written.
+    if (absl::StartsWith(name, "model.visual.") || absl::StartsWith(name, "visual.")) {
+      ++skipped_vision;
+      continue;
+    }
+    if (absl::StartsWith(name, "mtp.")) {
+      ++skipped_mtp;
+      continue;
+    }
+    if (absl::StartsWith(name, embed_prefix)) {
       layer = -1;
-    } else if (absl::StartsWith(name, "model.layers.")) {
-      layer = std::atoi(name.c_str() + std::strlen("model.layers."));
+    } else if (absl::StartsWith(name, layers_prefix)) {
+      layer = std::atoi(name.c_str() + layers_prefix.size());
       // Layers past num_hidden_layers are next-token-prediction (MTP) layers
       // (GLM-4 MoE): never built, so not written (architectures.md §1.3).
       if (layer >= src_.arch.num_layers) {
@@ -674,6 +686,10 @@ absl::Status Converter::Compile(ConvertReport* report) {
     plain_by_layer[layer].push_back(name);
   }
 
+  if (skipped_vision > 0) {
+    EXL3_LOG(kInfo) << "convert: not writing " << skipped_vision
+                    << " vision-tower tensor(s) (text-only model)";
+  }
   if (skipped_mtp > 0) {
     EXL3_LOG(kInfo) << "convert: not writing " << skipped_mtp << " tensor(s) of layers >= "
                     << src_.arch.num_layers << " (next-token-prediction layers)";

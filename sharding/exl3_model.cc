@@ -284,7 +284,7 @@ absl::Status Exl3Model::Describe() {
       const PlainTensorInfo* plain = FindPlain(weight);
       if (plain == nullptr) {
         if (spec.is_head && arch_->tie_word_embeddings &&
-            FindPlain("model.embed_tokens.weight") != nullptr) {
+            FindPlain(arch_->EmbedName()) != nullptr) {
           continue;  // tied head without a separate lm_head tensor
         }
         return absl::DataLossError(absl::StrCat(dir_, ": linear `", spec.key,

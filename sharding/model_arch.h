@@ -31,8 +31,14 @@ namespace exl3serve::sharding {
 // kQA, kQB, kKVA, kKVB: the MLA projections of DeepseekV3ForCausalLM
 // (`self_attn.q_a_proj`, `q_b_proj`, `kv_a_proj_with_mqa`, `kv_b_proj`); its
 // plain `self_attn.q_proj` (q_lora_rank null) is kQ, `o_proj` kO.
+// kGdn*: the Gated DeltaNet projections (arch-gated-deltanet.md §2.1):
+// Qwen3-Next's fused `linear_attn.in_proj_qkvz` / `in_proj_ba` (grouped per
+// key head), Qwen3.5's split `in_proj_qkv` / `in_proj_z` / `in_proj_b` /
+// `in_proj_a` (flat), and `out_proj`. kSharedExpertGate: the [1, hidden]
+// sigmoid gate of a Qwen3-Next / Qwen3.5 shared expert.
 enum class LinearRole {
-  kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead, kQA, kQB, kKVA, kKVB
+  kQ, kK, kV, kO, kGate, kUp, kDown, kRouter, kHead, kQA, kQB, kKVA, kKVB,
+  kGdnQkvz, kGdnBa, kGdnQkv, kGdnZ, kGdnB, kGdnA, kGdnOut, kSharedExpertGate
 };
 
 const char* LinearRoleName(LinearRole role);
@@ -58,6 +64,28 @@ struct LinearSpec {
   std::string qgroup;         // bit-allocation group (§6.7)
   int priority = 0;           // higher is raised first (§6.7)
   std::string module_group;   // unit of conversion/resume/sharding: "model.layers.3.self_attn"
+};
+
+// The module kinds a decoder layer is built from (a layer = a token mixer
+// followed by a feed-forward; worker/model/modules/). The converter, the
+// planner and the runtime all read an architecture as this per-layer recipe;
+// nothing downstream branches on the architecture's name.
+enum class TokenMixerKind {
+  kAttention,        // grouped-query attention: q/k/v/o (kQ, kK, kV, kO)
+  kLatentAttention,  // multi-head latent attention: q_a/q_b or q, kv_a, kv_b, o
+  kGatedDeltaNet,    // linear attention with a recurrent state (kGdn*)
+};
+enum class FeedForwardKind {
+  kDenseMlp,          // SwiGLU: gate/up/down
+  kMixtureOfExperts,  // router + routed SwiGLU experts (+ a shared expert when
+                      // shared_expert_intermediate_size > 0)
+};
+const char* TokenMixerKindName(TokenMixerKind kind);
+const char* FeedForwardKindName(FeedForwardKind kind);
+
+struct LayerRecipe {
+  TokenMixerKind mixer = TokenMixerKind::kAttention;
+  FeedForwardKind feed_forward = FeedForwardKind::kDenseMlp;
 };
 
 struct ModelArch {
@@ -91,7 +119,41 @@ struct ModelArch {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   bool mla() const { return kv_lora_rank > 0; }
-  std::vector<bool> layer_is_moe;       // per layer
+  // Gated DeltaNet layers (Qwen3NextForCausalLM, Qwen3_5*; arch-gated-deltanet.md):
+  // Hk key heads of gdn_key_dim, Hv = G·Hk value heads of gdn_value_dim, a
+  // causal conv of gdn_conv_kernel taps over the [Q | K | V] channels.
+  int64_t gdn_key_heads = 0;
+  int64_t gdn_value_heads = 0;
+  int64_t gdn_key_dim = 0;
+  int64_t gdn_value_dim = 0;
+  int64_t gdn_conv_kernel = 0;
+  bool gdn_fused_projections = false;  // Qwen3-Next: in_proj_qkvz / in_proj_ba
+  int64_t gdn_conv_dim() const { return 2 * gdn_key_heads * gdn_key_dim + gdn_value_heads * gdn_value_dim; }
+  // Gated attention (Qwen3-Next, Qwen3.5): q_proj also yields a per-head
+  // sigmoid gate on the attention output, interleaved per head [q | gate].
+  bool attention_output_gate = false;
+  // Shared experts with a sigmoid gate (`mlp.shared_expert_gate`) under
+  // `mlp.shared_expert.` (Qwen3-Next / Qwen3.5-MoE) rather than
+  // `mlp.shared_experts.` (GLM, DeepSeek).
+  bool shared_expert_gated = false;
+  // Where the text model's tensors live: "model" (model.embed_tokens,
+  // model.layers.N, model.norm) or "model.language_model" (Qwen3.5).
+  std::string tensor_prefix = "model";
+  std::string LayerPrefix(int layer) const {
+    return tensor_prefix + ".layers." + std::to_string(layer);
+  }
+  std::string EmbedName() const { return tensor_prefix + ".embed_tokens.weight"; }
+  std::string FinalNormName() const { return tensor_prefix + ".norm.weight"; }
+  std::vector<LayerRecipe> layers;      // per layer: which modules it is made of
+  // Some layer keeps a recurrent per-sequence state (Gated DeltaNet): such a
+  // sequence cannot yet resume from a cached prefix or roll back drafts.
+  bool has_recurrent_state() const {
+    for (const LayerRecipe& l : layers) {
+      if (l.mixer == TokenMixerKind::kGatedDeltaNet) return true;
+    }
+    return false;
+  }
+  std::vector<bool> layer_is_moe;       // per layer: layers[l].feed_forward is MoE
   std::vector<LinearSpec> linears;      // layer order, head last
 
   // nullptr when absent.

@@ -381,8 +381,18 @@ absl::Status EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardP
           }
           break;
         case LinearRole::kRouter:
+        case LinearRole::kSharedExpertGate:
           bytes += full;
           replicated += full;
+          break;
+        case LinearRole::kGdnQkvz:
+        case LinearRole::kGdnBa:
+        case LinearRole::kGdnQkv:
+        case LinearRole::kGdnZ:
+        case LinearRole::kGdnB:
+        case LinearRole::kGdnA:
+        case LinearRole::kGdnOut:
+          bytes += full * Fraction(layer.linear_key_heads.size(), arch.gdn_key_heads);
           break;
         case LinearRole::kHead:
           break;
@@ -398,7 +408,7 @@ absl::Status EstimateBytes(const ModelArch& arch, const Exl3Model* model, ShardP
 // table of the supported architectures).
 void AddRowTables(const ModelArch& arch, const Exl3Model* model, ShardPlan& plan) {
   RowTableShard embed;
-  embed.name = "model.embed_tokens.weight";
+  embed.name = arch.EmbedName();
   embed.rows = arch.vocab_size;
   embed.width = arch.hidden_size;
   embed.resident_bytes = static_cast<uint64_t>(arch.vocab_size * arch.hidden_size) * 4;
@@ -503,6 +513,22 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
     }
   }
 
+  // Gated DeltaNet layers: by key heads (each with its G value heads), in
+  // units whose key and value channels fill whole 128-channel groups when
+  // the head count allows (as attention heads are split).
+  std::vector<IndexRange> linear_key_heads(world_size);
+  if (arch.gdn_key_heads > 0) {
+    const int64_t g = arch.gdn_value_heads / arch.gdn_key_heads;
+    int64_t unit = 1;
+    while (unit <= arch.gdn_key_heads &&
+           ((unit * arch.gdn_key_dim) % kChannelGroup != 0 ||
+            (unit * g * arch.gdn_value_dim) % kChannelGroup != 0)) {
+      ++unit;
+    }
+    if (unit > arch.gdn_key_heads || arch.gdn_key_heads % unit != 0) unit = 1;
+    linear_key_heads = SplitProportional(arch.gdn_key_heads, unit, capacity);
+  }
+
   // The head.
   std::vector<IndexRange> vocab;
   if (options.replicate_head) {
@@ -521,6 +547,7 @@ absl::StatusOr<ShardPlan> PlanShards(const ModelArch& arch, const WorldSpec& wor
       LayerShard& layer = rank.layers[l];
       layer.q_heads = attention.q_heads[r];
       layer.kv_heads = attention.kv_heads[r];
+      layer.linear_key_heads = linear_key_heads[r];
       layer.o_bias = r == o_bias_rank;
       if (arch.layer_is_moe[l]) {
         layer.experts = experts[r];

@@ -119,6 +119,10 @@ struct LayerShard {
   IndexRange expert_channels; // MoE: intermediate channels of each held expert
                               // (empty when `experts` is)
   bool expert_down_bias = false;  // adds the held experts' down_proj bias (one rank per group)
+  // Gated DeltaNet layers: the key heads this rank computes, with their
+  // G value heads each, the matching conv channels, β / decay rows, out_proj
+  // input columns and recurrent state (arch-gated-deltanet.md §7).
+  IndexRange linear_key_heads;
 };
 
 // A row-lookup table (embedding, n-gram table) as one rank holds it.

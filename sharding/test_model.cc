@@ -195,10 +195,61 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                 {"mscale", o.yarn_mscale},
                                 {"mscale_all_dim", o.yarn_mscale_all_dim}};
     }
+  } else if (o.arch == "qwen3-next" || o.arch == "qwen3.5" || o.arch == "qwen3.5-moe") {
+    const bool next = o.arch == "qwen3-next";
+    const bool moe = o.arch != "qwen3.5";
+    nlohmann::json text = config;
+    text["intermediate_size"] = o.intermediate_size;
+    text["linear_num_key_heads"] = o.gdn_key_heads;
+    text["linear_num_value_heads"] = o.gdn_value_heads;
+    text["linear_key_head_dim"] = o.gdn_key_dim;
+    text["linear_value_head_dim"] = o.gdn_value_dim;
+    text["linear_conv_kernel_dim"] = o.gdn_conv_kernel;
+    nlohmann::json types = nlohmann::json::array();
+    for (int l = 0; l < o.num_layers; ++l) {
+      types.push_back((l + 1) % o.full_attention_interval == 0 ? "full_attention" : "linear_attention");
+    }
+    text["layer_types"] = types;
+    text["full_attention_interval"] = o.full_attention_interval;
+    text["attn_output_gate"] = true;
+    text["mamba_ssm_dtype"] = "float32";
+    if (moe) {
+      text["num_experts"] = o.num_experts;
+      text["num_experts_per_tok"] = o.num_experts_per_token;
+      text["moe_intermediate_size"] = o.moe_intermediate_size;
+      text["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
+      text["decoder_sparse_step"] = 1;
+      text["mlp_only_layers"] = o.mlp_only_layers;
+      if (next) text["norm_topk_prob"] = true;
+    }
+    if (next) {
+      config = text;
+      config["architectures"] = {"Qwen3NextForCausalLM"};
+      config["model_type"] = "qwen3_next";
+      config["partial_rotary_factor"] = o.partial_rotary_factor;
+      config["num_nextn_predict_layers"] = 0;
+    } else {
+      text.erase("rope_theta");
+      text["rope_parameters"] = {{"rope_type", "default"},
+                                 {"rope_theta", 10000.0},
+                                 {"partial_rotary_factor", o.partial_rotary_factor},
+                                 {"mrope_section", {11, 11, 10}},
+                                 {"mrope_interleaved", true}};
+      text["model_type"] = moe ? "qwen3_5_moe_text" : "qwen3_5_text";
+      text["mtp_num_hidden_layers"] = 0;
+      config = nlohmann::json{
+          {"architectures", {moe ? "Qwen3_5MoeForConditionalGeneration" : "Qwen3_5ForConditionalGeneration"}},
+          {"model_type", moe ? "qwen3_5_moe" : "qwen3_5"},
+          {"tie_word_embeddings", o.tie_word_embeddings},
+          {"text_config", text},
+          {"vision_config", {{"depth", 1}}},
+          {"bos_token_id", o.bos_token_id},
+          {"eos_token_id", text["eos_token_id"]}};
+    }
   } else {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--arch must be llama, qwen3, qwen3-moe, mixtral, glm4-moe or deepseek-v3, got `", o.arch,
-        "`"));
+        "--arch must be llama, qwen3, qwen3-moe, mixtral, glm4-moe, deepseek-v3, qwen3-next, "
+        "qwen3.5 or qwen3.5-moe, got `", o.arch, "`"));
   }
   for (size_t i = 0; i < o.peaked_targets.size(); ++i) {
     const int32_t t = o.peaked_targets[i];
@@ -230,11 +281,20 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     // Embedding rows of norm ~sqrt(hidden) dominate the residual stream.
     for (uint16_t& b : embed) b = FloatToBf16Bits(16.0f * BitsToFloatBf16(b));
   }
-  tensors.push_back(TensorFromHalfBits("model.embed_tokens.weight", DType::kBF16,
-                                       {o.vocab_size, hidden}, embed));
+  tensors.push_back(TensorFromHalfBits(arch.EmbedName(), DType::kBF16, {o.vocab_size, hidden},
+                                       embed));
   const bool glm = o.arch == "glm4-moe";
   const bool deepseek = o.arch == "deepseek-v3";
+  const bool hybrid = arch.gdn_key_heads > 0;
   const bool qk_norm = o.arch == "qwen3" || o.arch == "qwen3-moe" || (glm && o.use_qk_norm);
+  // Zero-centred norms ((1 + w), the hybrids): weights near 0.
+  auto layer_norm = [&](int64_t n) {
+    std::vector<uint16_t> bits = RandomNorm(rng, n);
+    if (hybrid) {
+      for (uint16_t& b : bits) b = FloatToBf16Bits(BitsToFloatBf16(b) - 1.0f);
+    }
+    return bits;
+  };
   // GLM: biases of a visible size (q/k/v) and the router's correction bias,
   // of the size of the sigmoid scores' spread, so it changes the choice.
   auto random_vector = [&](int64_t n, float scale) {
@@ -248,11 +308,38 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
     if (l.is_head && o.tie_word_embeddings) continue;
     if (l.layer >= 0 && l.layer != normed_layer) {
       normed_layer = l.layer;
-      const std::string layer = absl::StrCat("model.layers.", l.layer);
+      const std::string layer = arch.LayerPrefix(l.layer);
       tensors.push_back(TensorFromHalfBits(layer + ".input_layernorm.weight", DType::kBF16,
-                                           {hidden}, RandomNorm(rng, hidden)));
+                                           {hidden}, layer_norm(hidden)));
       tensors.push_back(TensorFromHalfBits(layer + ".post_attention_layernorm.weight",
-                                           DType::kBF16, {hidden}, RandomNorm(rng, hidden)));
+                                           DType::kBF16, {hidden}, layer_norm(hidden)));
+      if (hybrid && arch.layers[l.layer].mixer == TokenMixerKind::kGatedDeltaNet) {
+        // arch-gated-deltanet.md §2, §9: conv taps, A_log = log U(0.01, 16)
+        // and dt_bias near 1 (decays across (0, 1)), the plain gated-norm
+        // weight near 1; A_log and dt_bias in fp32.
+        const std::string lin = layer + ".linear_attn";
+        const int64_t hv = arch.gdn_value_heads, k = arch.gdn_conv_kernel;
+        std::vector<uint16_t> conv = RandomLinear(rng, arch.gdn_conv_dim(), k);
+        tensors.push_back(TensorFromHalfBits(lin + ".conv1d.weight", DType::kBF16,
+                                             {arch.gdn_conv_dim(), 1, k}, std::move(conv)));
+        std::uniform_real_distribution<float> uniform(0.01f, 16.0f);
+        std::normal_distribution<float> near_one(1.0f, 0.5f);
+        std::vector<float> a_log(hv), dt_bias(hv);
+        for (float& a : a_log) a = std::log(uniform(rng));
+        for (float& d : dt_bias) d = near_one(rng);
+        tensors.push_back(TensorFromFloats(lin + ".A_log", {hv}, std::move(a_log)));
+        tensors.push_back(TensorFromFloats(lin + ".dt_bias", {hv}, std::move(dt_bias)));
+        tensors.push_back(TensorFromHalfBits(lin + ".norm.weight", DType::kBF16,
+                                             {arch.gdn_value_dim},
+                                             RandomNorm(rng, arch.gdn_value_dim)));
+      }
+      if (hybrid && arch.layers[l.layer].mixer == TokenMixerKind::kAttention) {
+        const int64_t hd = arch.head_dim;
+        tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_norm.weight", DType::kBF16,
+                                             {hd}, layer_norm(hd)));
+        tensors.push_back(TensorFromHalfBits(layer + ".self_attn.k_norm.weight", DType::kBF16,
+                                             {hd}, layer_norm(hd)));
+      }
       if (qk_norm) {
         const int64_t hd = arch.head_dim;
         tensors.push_back(TensorFromHalfBits(layer + ".self_attn.q_norm.weight", DType::kBF16,
@@ -283,8 +370,8 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
         const int64_t src = (7 * v + 3) % o.vocab_size;
         std::memcpy(&weight[v * hidden], &embed[src * hidden], sizeof(uint16_t) * hidden);
       }
-    } else if (o.peaked_logits &&
-               (l.role == LinearRole::kO || l.role == LinearRole::kDown)) {
+    } else if (o.peaked_logits && (l.role == LinearRole::kO || l.role == LinearRole::kDown ||
+                                   l.role == LinearRole::kGdnOut)) {
       for (uint16_t& b : weight) {
         b = FloatToBf16Bits(0.1f * BitsToFloatBf16(b));
       }
@@ -334,8 +421,13 @@ absl::Status WriteTestModel(const std::string& dir, const TestModelOptions& o) {
                                            {q_out}, random_vector(q_out, 0.5f)));
     }
   }
-  tensors.push_back(TensorFromHalfBits("model.norm.weight", DType::kBF16, {hidden},
-                                       RandomNorm(rng, hidden)));
+  tensors.push_back(TensorFromHalfBits(arch.FinalNormName(), DType::kBF16, {hidden},
+                                       layer_norm(hidden)));
+  if (o.arch == "qwen3.5" || o.arch == "qwen3.5-moe") {
+    // A vision-tower tensor: skipped by convert and the loader.
+    tensors.push_back(TensorFromHalfBits("model.visual.patch_embed.proj.weight", DType::kBF16,
+                                         {16, 12}, RandomLinear(rng, 16, 12)));
+  }
 
   const size_t per_shard = (tensors.size() + o.num_shards - 1) / o.num_shards;
   std::map<std::string, std::string> weight_map;
@@ -388,6 +480,25 @@ TestModelOptions Glm4MoeTestDefaults() {
   return o;
 }
 
+TestModelOptions Qwen3NextTestDefaults(const std::string& arch) {
+  TestModelOptions o;
+  o.arch = arch;
+  o.num_layers = 4;
+  o.hidden_size = 200;
+  o.intermediate_size = 300;
+  o.num_attention_heads = 6;
+  o.num_key_value_heads = 2;
+  o.head_dim = 48;
+  o.partial_rotary_factor = 0.25;
+  o.num_experts = 8;
+  o.num_experts_per_token = 2;
+  o.moe_intermediate_size = 40;
+  o.shared_expert_intermediate_size = 56;
+  if (arch == "qwen3-next") o.mlp_only_layers = {0};
+  o.vocab_size = 1000;
+  return o;
+}
+
 TestModelOptions DeepseekV3TestDefaults() {
   TestModelOptions o = Glm4MoeTestDefaults();
   o.arch = "deepseek-v3";
@@ -409,15 +520,19 @@ TestModelOptions DeepseekV3TestDefaults() {
 }
 
 absl::StatusOr<TestModelOptions> DemoModelDefaults(const std::string& arch) {
+  const bool hybrid = arch == "qwen3-next" || arch == "qwen3.5" || arch == "qwen3.5-moe";
   if (arch != "llama" && arch != "qwen3" && arch != "qwen3-moe" && arch != "glm4-moe" &&
-      arch != "deepseek-v3") {
+      arch != "deepseek-v3" && !hybrid) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--arch must be llama, qwen3, qwen3-moe, glm4-moe or deepseek-v3, got `", arch, "`"));
+        "--arch must be llama, qwen3, qwen3-moe, glm4-moe, deepseek-v3, qwen3-next, qwen3.5 or "
+        "qwen3.5-moe, got `", arch, "`"));
   }
-  // glm4-moe and deepseek-v3 keep their test shapes: the dense first layer,
-  // grouped routing, the shared expert (and MLA) are what the demo shows.
+  // glm4-moe, deepseek-v3 and the hybrids keep their test shapes: the dense
+  // first layer, grouped routing, the shared expert, MLA, the linear-attention
+  // layers are what the demo shows.
   TestModelOptions o = arch == "glm4-moe"      ? Glm4MoeTestDefaults()
                        : arch == "deepseek-v3" ? DeepseekV3TestDefaults()
+                       : hybrid                ? Qwen3NextTestDefaults(arch)
                                                : TestModelOptions{};
   o.arch = arch;
   o.vocab_size = kDemoVocabSize;

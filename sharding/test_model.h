@@ -20,7 +20,9 @@
 namespace exl3serve::sharding {
 
 struct TestModelOptions {
-  std::string arch = "llama";  // llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3
+  // llama | qwen3 | qwen3-moe | mixtral | glm4-moe | deepseek-v3 | qwen3-next |
+  // qwen3.5 | qwen3.5-moe
+  std::string arch = "llama";
   int num_layers = 2;
   int64_t hidden_size = 256;
   int64_t intermediate_size = 640;  // dense MLP; MoE experts use moe_intermediate_size
@@ -61,6 +63,22 @@ struct TestModelOptions {
   int64_t yarn_original_max_positions = 64;
   double yarn_mscale = 1.0;
   double yarn_mscale_all_dim = 0.8;
+  // qwen3-next, qwen3.5, qwen3.5-moe (arch-gated-deltanet.md): Gated DeltaNet
+  // geometry, every full_attention_interval-th layer full attention (gated,
+  // partial_rotary_factor of the head rotated, (1 + w) norms); MoE (qwen3-next,
+  // qwen3.5-moe) with a gated shared expert of shared_expert_intermediate_size;
+  // qwen3-next's layers in mlp_only_layers dense. qwen3-next writes the fused
+  // in_proj_qkvz / in_proj_ba, qwen3.5 the split projections under
+  // model.language_model with its keys in text_config. Qwen3NextTestDefaults()
+  // gives the odd-sized test shape.
+  int64_t gdn_key_heads = 2;
+  int64_t gdn_value_heads = 6;
+  int64_t gdn_key_dim = 24;
+  int64_t gdn_value_dim = 20;
+  int64_t gdn_conv_kernel = 4;
+  int full_attention_interval = 4;
+  int64_t shared_expert_intermediate_size = 56;
+  std::vector<int> mlp_only_layers;
   bool tie_word_embeddings = false;
   uint64_t seed = 1;
   int num_shards = 1;  // > 1 writes model-0000K-of-0000N + index
@@ -100,6 +118,14 @@ TestModelOptions Glm4MoeTestDefaults();
 // chosen per token, one shared expert, routed_scaling_factor 2.5, one MTP
 // layer, vocab 1000.
 TestModelOptions DeepseekV3TestDefaults();
+
+// The hybrid test shape (arch-gated-deltanet.md §9's proposal): `arch`
+// (qwen3-next | qwen3.5 | qwen3.5-moe), hidden 200, 4 layers [linear x 3,
+// full], attention 6 heads / 2 KV of head_dim 48 with 12 dims rotated
+// (partial 0.25), Gated DeltaNet Hk 2, Hv 6 (G = 3), dk 24 != dv 20, conv 4;
+// MoE 8 experts top-2 of width 40, a gated shared expert of 56 (qwen3-next:
+// layer 0 dense, width 300; qwen3.5: dense width 300), vocab 1000, untied.
+TestModelOptions Qwen3NextTestDefaults(const std::string& arch = "qwen3-next");
 
 // Writes config.json, generation_config.json and the weights (BF16) into `dir`
 // (created if missing). Errors: InvalidArgument for an unknown arch or bad

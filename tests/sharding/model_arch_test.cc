@@ -80,6 +80,50 @@ TEST(ModelArchTest, Qwen3MoeHonoursMlpOnlyLayers) {
   EXPECT_EQ(arch->Find(2, LinearRole::kDown, 7)->in_features, 256);
 }
 
+// The recipe: each layer names its token mixer and feed-forward, and every
+// linear of a layer belongs to one of them (the converter, the planner and
+// the runtime read the same recipe).
+TEST(ModelArchTest, RecipeNamesEachLayersModules) {
+  auto qwen = DenseConfig("Qwen3MoeForCausalLM");
+  qwen["num_experts"] = 8;
+  qwen["num_experts_per_tok"] = 2;
+  qwen["moe_intermediate_size"] = 256;
+  qwen["mlp_only_layers"] = {1};
+  auto arch = ModelArchFromConfig(qwen);
+  ASSERT_TRUE(arch.ok()) << arch.status();
+  ASSERT_EQ(arch->layers.size(), 3u);
+  for (int l = 0; l < 3; ++l) {
+    EXPECT_EQ(arch->layers[l].mixer, TokenMixerKind::kAttention);
+    EXPECT_EQ(arch->layers[l].feed_forward == FeedForwardKind::kMixtureOfExperts,
+              arch->layer_is_moe[l]);
+  }
+  EXPECT_EQ(arch->layers[1].feed_forward, FeedForwardKind::kDenseMlp);
+
+  nlohmann::json ds = DenseConfig("DeepseekV3ForCausalLM");
+  const nlohmann::json mla = {{"kv_lora_rank", 56},       {"qk_nope_head_dim", 24},
+                              {"qk_rope_head_dim", 16},   {"v_head_dim", 20},
+                              {"q_lora_rank", nullptr},   {"moe_intermediate_size", 96},
+                              {"n_routed_experts", 12},   {"num_experts_per_tok", 3},
+                              {"first_k_dense_replace", 2}, {"n_shared_experts", 1}};
+  for (const auto& [key, value] : mla.items()) ds[key] = value;
+  auto deepseek = ModelArchFromConfig(ds);
+  ASSERT_TRUE(deepseek.ok()) << deepseek.status();
+  EXPECT_EQ(deepseek->layers[0].mixer, TokenMixerKind::kLatentAttention);
+  EXPECT_EQ(deepseek->layers[1].feed_forward, FeedForwardKind::kDenseMlp);
+  EXPECT_EQ(deepseek->layers[2].feed_forward, FeedForwardKind::kMixtureOfExperts);
+  EXPECT_STREQ(TokenMixerKindName(deepseek->layers[2].mixer), "latent_attention");
+  EXPECT_STREQ(FeedForwardKindName(deepseek->layers[2].feed_forward), "moe");
+  // Layer 2: plain q (q_lora_rank null), kv_a, kv_b (16-bit), o; router,
+  // 12 x 3 expert projections, 3 shared-expert projections.
+  int layer2 = 0;
+  for (const LinearSpec& spec : deepseek->linears) layer2 += spec.layer == 2;
+  EXPECT_EQ(layer2, 4 + 1 + 12 * 3 + 3);
+  EXPECT_FALSE(deepseek->Find(2, LinearRole::kKVB)->quantized);
+  EXPECT_EQ(deepseek->Find(2, LinearRole::kQA), nullptr);
+  EXPECT_EQ(deepseek->Find(2, LinearRole::kUp, kSharedExpert)->key,
+            "model.layers.2.mlp.shared_experts.up_proj");
+}
+
 TEST(ModelArchTest, UnknownArchitectureIsUnimplementedAndListsSupported) {
   auto arch = ModelArchFromConfig(DenseConfig("GPT2LMHeadModel"));
   ASSERT_FALSE(arch.ok());

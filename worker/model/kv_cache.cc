@@ -107,6 +107,11 @@ absl::StatusOr<PagedKvCache> PagedKvCache::Create(const KvCacheShape& shape,
   cache.free_pages_.reserve(options.num_pages);
   for (int64_t p = options.num_pages - 1; p >= 0; --p) cache.free_pages_.push_back(p);
   cache.owner_.assign(static_cast<size_t>(options.num_pages), -1);
+  int64_t offset = 0;
+  for (int64_t floats : shape.state_floats) {
+    cache.state_offsets_.push_back(offset);
+    offset += floats;
+  }
   cache.refs_.assign(static_cast<size_t>(options.num_pages), 0);
   return cache;
 }
@@ -159,11 +164,26 @@ absl::Status PagedKvCache::AddSequence(int64_t seq_id, int64_t cached_length) {
         absl::StrCat("kv cache: sequence ", seq_id,
                      ": a cached prefix needs pages assigned by the caller (caller_assigns_pages)"));
   }
-  auto [it, inserted] = sequences_.try_emplace(seq_id);
-  if (!inserted) {
+  if (cached_length > 0 && has_state()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kv cache: sequence ", seq_id, ": this model keeps a recurrent state per sequence, which "
+        "cannot resume from a cached prefix of ", cached_length, " positions (prefix caching is "
+        "off for such models)"));
+  }
+  if (sequences_.contains(seq_id)) {
     return absl::AlreadyExistsError(absl::StrCat("kv cache: sequence ", seq_id, " already exists"));
   }
-  it->second.length = cached_length;
+  std::vector<float> state;
+  try {
+    state.assign(static_cast<size_t>(shape_.state_floats_per_sequence()), 0.0f);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: sequence ", seq_id, ": cannot allocate its recurrent state of ",
+        state_bytes_per_sequence() >> 20, " MiB"));
+  }
+  Sequence& sequence = sequences_[seq_id];
+  sequence.length = cached_length;
+  sequence.state = std::move(state);
   return absl::OkStatus();
 }
 
@@ -289,7 +309,18 @@ void PagedKvCache::SetLength(int64_t seq_id, int64_t length) {
   EXL3_CHECK(length >= 0 && length <= static_cast<int64_t>(it->second.pages.size()) *
                                            options_.page_size_tokens)
       << "length " << length << " beyond reserved pages";
+  EXL3_CHECK(!has_state() || length >= it->second.length)
+      << "sequence " << seq_id << ": a recurrent state cannot be rolled back from "
+      << it->second.length << " to " << length;
   it->second.length = length;
+}
+
+float* PagedKvCache::State(int64_t seq_id, int slot) {
+  auto it = sequences_.find(seq_id);
+  EXL3_CHECK(it != sequences_.end()) << "unknown sequence " << seq_id;
+  EXL3_CHECK(slot >= 0 && slot < static_cast<int>(state_offsets_.size()))
+      << "state slot " << slot << " of " << state_offsets_.size();
+  return it->second.state.data() + state_offsets_[slot];
 }
 
 void PagedKvCache::Write(int64_t seq_id, int layer, int64_t start, int64_t count, const float* k,

@@ -54,6 +54,15 @@ struct KvCacheShape {
   // (qk_rope_head_dim) as its value, each with its own scale when int8/int4.
   int value_dim = 0;
   int v_dim() const { return value_dim > 0 ? value_dim : head_dim; }
+  // Per-sequence state beyond the KV pages (a recurrent layer's fixed-size
+  // state, modules/gated_deltanet.h): floats of each state slot; empty =
+  // none. Allocated zeroed when a sequence is added, freed when removed.
+  std::vector<int64_t> state_floats;
+  int64_t state_floats_per_sequence() const {
+    int64_t n = 0;
+    for (int64_t f : state_floats) n += f;
+    return n;
+  }
 };
 
 
@@ -143,10 +152,24 @@ class PagedKvCache {
   // Sets the committed length. Requires: length <= reserved capacity.
   void SetLength(int64_t seq_id, int64_t length);
 
+  // Per-sequence state (KvCacheShape::state_floats): whether the cache keeps
+  // any, and slot `slot` of the sequence (fp32, state_floats[slot] values).
+  // A sequence's state describes all of its committed positions: it cannot
+  // start from a cached prefix (AddSequence refuses cached_length > 0) nor be
+  // shortened (callers refuse rollback; SetLength CHECKs length >= Length).
+  // Requires for State: the sequence exists and the slot is in range (CHECKed).
+  bool has_state() const { return !shape_.state_floats.empty(); }
+  float* State(int64_t seq_id, int slot);
+  // Bytes of state one sequence holds (0 without state).
+  int64_t state_bytes_per_sequence() const {
+    return shape_.state_floats_per_sequence() * static_cast<int64_t>(sizeof(float));
+  }
+
  private:
   struct Sequence {
     std::vector<int64_t> pages;
     int64_t length = 0;
+    std::vector<float> state;  // every state slot, concatenated
   };
   PagedKvCache() = default;
   // Bytes of one (position, head) entry's values of width `dim`, excluding
@@ -173,6 +196,7 @@ class PagedKvCache {
   // (for error messages; -1 = free).
   std::vector<int32_t> refs_;
   std::vector<int64_t> owner_;
+  std::vector<int64_t> state_offsets_;  // start of each state slot in Sequence::state
   absl::flat_hash_map<int64_t, Sequence> sequences_;
 };
 

@@ -298,14 +298,70 @@ absl::Status ReadDeepseekV3(const nlohmann::json& config, ModelConfig* out) {
   return absl::OkStatus();
 }
 
+// Qwen3-Next / Qwen3.5 hybrids (arch-gated-deltanet.md §1, §2.6, §3).
+absl::Status ReadQwenHybrid(const nlohmann::json& config, ModelConfig* out) {
+  const sharding::ModelArch& arch = out->arch;
+  out->qk_norm = true;
+  out->norm_weight_plus_one = true;
+  if (auto it = config.find("output_gate_type"); it != config.end() && !it->is_null()) {
+    if (!it->is_string() || (it->get<std::string>() != "silu" && it->get<std::string>() != "swish")) {
+      return absl::UnimplementedError(absl::StrCat("config.json: `output_gate_type` ", it->dump(),
+                                                   " is not supported (silu, swish)"));
+    }
+  }
+  // RoPE: Qwen3-Next at the top level, Qwen3.5 under rope_parameters (text
+  // only: its MRoPE sections see three equal position rows = plain RoPE).
+  double factor = 0.25;
+  const nlohmann::json* rope = &config;
+  if (auto it = config.find("rope_parameters"); it != config.end() && it->is_object()) {
+    rope = &*it;
+    if (auto t = it->find("rope_type"); t != it->end() && t->is_string() &&
+                                        t->get<std::string>() != "default") {
+      return absl::UnimplementedError(absl::StrCat("config.json: `rope_parameters.rope_type` ",
+                                                   t->dump(), " is not supported (default)"));
+    }
+    if (auto s = ReadPositiveDouble(*rope, "config.json rope_parameters", "rope_theta",
+                                    &out->rope_theta);
+        !s.ok()) {
+      return s;
+    }
+  }
+  if (auto s = ReadPositiveDouble(*rope, "config.json", "partial_rotary_factor", &factor); !s.ok()) {
+    return s;
+  }
+  if (out->rope_scaling.type != RopeScalingType::kNone) {
+    return absl::UnimplementedError(absl::StrCat("config.json: rope_scaling is not supported for ",
+                                                 arch.architecture));
+  }
+  const int64_t rotary = static_cast<int64_t>(static_cast<double>(arch.head_dim) * factor);
+  if (factor > 1.0 || rotary <= 0 || rotary % 2 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: `partial_rotary_factor` ", factor, " x head_dim ", arch.head_dim,
+        " must give an even number of rotary dims in [2, head_dim], got ", rotary));
+  }
+  out->rotary_dim = rotary;
+  // Qwen3-Next renormalises when norm_topk_prob (default true); Qwen3.5's
+  // router always does.
+  bool renormalize = true;
+  if (arch.gdn_fused_projections) {
+    if (auto s = ReadBool(config, "norm_topk_prob", true, &renormalize); !s.ok()) return s;
+  }
+  out->moe_topk_weights = renormalize ? MoeTopKWeights::kRenormalized : MoeTopKWeights::kRaw;
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
+absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& root,
                                                 const nlohmann::json* generation_config) {
-  absl::StatusOr<sharding::ModelArch> arch = sharding::ModelArchFromConfig(config);
+  absl::StatusOr<sharding::ModelArch> arch = sharding::ModelArchFromConfig(root);
   if (!arch.ok()) return arch.status();
   ModelConfig out;
   out.arch = std::move(*arch);
+  // The text model's keys: Qwen3.5 nests them under text_config (checked by
+  // ModelArchFromConfig).
+  const bool nested = out.arch.tensor_prefix == "model.language_model";
+  const nlohmann::json& config = nested ? root.at("text_config") : root;
   const std::string& name = out.arch.architecture;
   const bool qwen = name.rfind("Qwen", 0) == 0;
   out.qk_norm = name == "Qwen3ForCausalLM" || name == "Qwen3MoeForCausalLM";
@@ -361,11 +417,19 @@ absl::StatusOr<ModelConfig> ModelConfigFromJson(const nlohmann::json& config,
   if (name == "DeepseekV3ForCausalLM") {
     if (auto s = ReadDeepseekV3(config, &out); !s.ok()) return s;
   }
-
-  if (auto it = config.find("bos_token_id"); it != config.end() && it->is_number_integer()) {
-    out.bos_token_id = it->get<int32_t>();
+  if (out.arch.gdn_key_heads > 0) {
+    if (auto s = ReadQwenHybrid(config, &out); !s.ok()) return s;
   }
-  if (auto it = config.find("eos_token_id"); it != config.end()) AddTokenIds(*it, &out.eos_token_ids);
+
+  for (const nlohmann::json* source : {&config, &root}) {
+    if (auto it = source->find("bos_token_id");
+        out.bos_token_id < 0 && it != source->end() && it->is_number_integer()) {
+      out.bos_token_id = it->get<int32_t>();
+    }
+    if (auto it = source->find("eos_token_id"); it != source->end()) {
+      AddTokenIds(*it, &out.eos_token_ids);
+    }
+  }
   if (generation_config != nullptr && generation_config->is_object()) {
     if (auto it = generation_config->find("eos_token_id"); it != generation_config->end()) {
       AddTokenIds(*it, &out.eos_token_ids);

@@ -77,6 +77,10 @@ struct ModelConfig {
   // at i; 0 = unlimited. Honoured for Llama/Mistral/Mixtral.
   int64_t sliding_window = 0;
   bool qk_norm = false;  // Qwen3 / Qwen3-MoE: RMSNorm per head on q and k before RoPE
+  // Zero-centred RMSNorms (Qwen3-Next, Qwen3.5: x·rsqrt(mean(x²)+eps)·(1 + w)
+  // for the input, post-attention, q/k and final norms; the Gated DeltaNet
+  // output norm keeps its plain w). The loader adds the 1 in fp32 once.
+  bool norm_weight_plus_one = false;
   MoeTopKWeights moe_topk_weights = MoeTopKWeights::kRenormalized;
   // RoPE rotates the first rotary_dim dims of every q/k head (pairs i and
   // i + rotary_dim/2, rotate-half/NEOX); the rest pass through. head_dim
@@ -113,6 +117,12 @@ struct ModelConfig {
 // topk_group (1..n_group, keeping at least num_experts_per_tok experts) or
 // use_qk_norm / norm_topk_prob of the wrong type; Unimplemented for a
 // scoring_func other than sigmoid or a topk_method other than noaux_tc.
+// Qwen3NextForCausalLM, Qwen3_5ForConditionalGeneration,
+// Qwen3_5MoeForConditionalGeneration (arch-gated-deltanet.md §1; Qwen3.5 keys
+// under `text_config`, RoPE under `rope_parameters`): zero-centred norms,
+// q/k norms, partial RoPE (`partial_rotary_factor`, default 0.25);
+// Unimplemented for an `output_gate_type` other than silu/swish, a
+// `rope_parameters.rope_type` other than default, or a rope_scaling.
 // DeepseekV3ForCausalLM: the same routing keys (routed_scaling_factor is
 // required: exllamav3 defaults it to 1.0, transformers to 2.5); rope_scaling
 // may be yarn (factor > 0; beta_fast >= beta_slow > 0; mscale and

@@ -65,6 +65,13 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
   for (size_t i = 0; i < batch.size(); ++i) {
     const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
     const int32_t d = draft_counts[i];
+    if (d > 0 && cache->has_state()) {
+      // A rejected draft would have to roll the recurrent state back.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "verified forward: sequence ", batch[i].seq_id, " drafts ", d, " tokens, but this "
+          "model keeps a recurrent state per sequence, which cannot roll back rejected drafts "
+          "yet; serve it without --speculative"));
+    }
     if (d < 0 || (d > 0 && (sample[i] == 0 || d >= n))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "verified forward: entry ", i, " (sequence ", batch[i].seq_id, ") has ", d,
@@ -138,6 +145,11 @@ absl::Status LocalStepExecutor::TruncateSequence(int64_t seq_id,
   if (n > length) {
     return absl::InvalidArgumentError(absl::StrCat("truncate: sequence ", seq_id, " holds ",
                                                    length, " positions, not ", n));
+  }
+  if (n > 0 && cache_->has_state()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "truncate: sequence ", seq_id, ": this model keeps a recurrent state per sequence, "
+        "which cannot be rolled back"));
   }
   cache_->SetLength(seq_id, length - n);
   sampler_.Unobserve(seq_id, dropped);

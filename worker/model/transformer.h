@@ -14,26 +14,19 @@
 //   std::vector<float> logits;
 //   EXL3_RETURN_IF_ERROR(model->Forward({{0, prompt}}, LogitsRows::kLastToken, &cache, &logits));
 //
-// The forward (fp32 activations throughout), per layer:
-//   a = RMSNorm(h) ; q, k, v = a·Wqᵀ(+b), a·Wkᵀ(+b), a·Wvᵀ(+b)
-//   [Qwen3, GLM use_qk_norm: q, k = RMSNorm per head]
-//   q, k = RoPE(q, k) (rotate-half pairs i, i + r/2 of the first r = rotary_dim dims)
-//   k, v -> cache ; o = softmax(q·kᵀ/√d + causal/window mask)·v over the cached positions
-//   h += o·Woᵀ ; a = RMSNorm(h)
-//   dense: h += (silu(a·Wgᵀ) ⊙ a·Wuᵀ)·Wdᵀ
-//   MoE:   p = softmax(a·Wrᵀ), top-k experts, weights renormalised (Mixtral, Qwen3-MoE
-//          with norm_topk_prob) or not; h += Σ w_e · expert_e(a)
-//   GLM:   s = sigmoid(a·Wrᵀ), experts chosen on s + correction bias within the
-//          best groups (model_config.h MoeRouter), weights from s;
-//          h += Σ w_e · expert_e(a) + shared_expert(a)
+// The forward (fp32 activations throughout): h = the token embeddings, then
+// per layer (a token mixer and a feed-forward, modules/module.h; which ones
+// the architecture's recipe says, sharding::LayerRecipe)
+//   h += mixer(RMSNorm(h))          attention (modules/gqa_attention.h) or
+//                                   latent attention (modules/mla_attention.h)
+//   h += feed_forward(RMSNorm(h))   SwiGLU MLP (modules/swiglu_mlp.h) or
+//                                   mixture of experts (modules/moe.h)
 // then logits = RMSNorm(h)·W_headᵀ (W_head = lm_head, or the token embedding when
-// tied and lm_head is absent). Attention always reads keys and values back from
-// the cache (also those of the chunk being processed), so prefill in chunks,
-// prefill at once and token-by-token decoding see the same stored values.
+// tied and lm_head is absent). With tensor parallelism each module returns
+// this rank's partial sum and the Transformer all-reduces it.
 #ifndef EXL3SERVE_WORKER_MODEL_TRANSFORMER_H_
 #define EXL3SERVE_WORKER_MODEL_TRANSFORMER_H_
 
-#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -48,6 +41,7 @@
 #include "worker/model/kv_cache.h"
 #include "worker/model/linear.h"
 #include "worker/model/model_config.h"
+#include "worker/model/modules/module.h"
 
 namespace exl3serve::sharding {
 class Exl3Model;
@@ -201,32 +195,11 @@ class Transformer {
   void SetInputObserver(InputObserver* observer);
 
  private:
-  struct Expert {
-    Linear gate, up, down;
-  };
+  // A decoder layer: the norms around its two modules (modules/module.h).
   struct Layer {
-    // The heads this rank computes (all of them without parallelism).
-    int64_t q_head_begin = 0, num_q_heads = 0;
-    int64_t kv_head_begin = 0, num_kv_heads = 0;
     std::vector<float> input_norm, post_attention_norm;
-    std::vector<float> q_norm, k_norm;  // qk_norm only
-    Linear q, k, v, o;
-    bool moe = false;
-    Linear gate, up, down;  // dense MLP
-    Linear router;          // MoE
-    std::vector<float> score_bias;  // MoeRouter::kSigmoidGrouped: e_score_correction_bias
-    int64_t expert_begin = 0;     // experts[i] is expert expert_begin + i
-    std::vector<Expert> experts;  // the ones this rank holds
-    bool has_shared = false;      // GLM: this rank's channels of the shared expert
-    Expert shared;
-    // MLA (config_.arch.mla()): q_a (+ q_a_norm) then q_b, or the plain q
-    // above; kv_a and its norm on every rank; q_b, kv_b and o hold this
-    // rank's query heads.
-    // kv_b (this rank's heads) is held as fp32 [head][nope + v][kv_lora]:
-    // W_UK_h (nope rows) then W_UV_h (v rows), read by the absorbed decode
-    // through dense_weight() and run as a linear by the prefill path.
-    Linear q_a, q_b, kv_a, kv_b;
-    std::vector<float> q_a_norm, kv_a_norm;
+    std::unique_ptr<TokenMixer> mixer;
+    std::unique_ptr<FeedForward> feed_forward;
   };
 
   Transformer() = default;
@@ -248,26 +221,6 @@ class Transformer {
   // The full logits from this rank's vocab rows (rows x vocab_begin..end).
   absl::Status GatherLogits(std::vector<float>& local, int64_t rows,
                             std::vector<float>* logits) const;
-  absl::Status Attention(std::span<const SequenceTokens> batch, int layer, PagedKvCache* cache,
-                         const std::vector<int64_t>& starts, std::vector<float>& q,
-                         std::vector<float>& k, const std::vector<float>& v,
-                         std::vector<float>* out) const;
-  // Multi-head latent attention of layer `layer` (DeepseekV3ForCausalLM) on
-  // the normed input a [total][hidden]: appends the latent (normalized c_kv
-  // and the roped k_pe) to `cache` and writes this rank's heads' outputs
-  // [total][num_q_heads * v_head_dim] into *out, ready for o_proj. An entry
-  // of fewer than kPrefillMinRows tokens (decode kind) attends in absorbed
-  // form over the latent (W_UK folded into the query, W_UV applied after),
-  // a longer one decompresses the cached latent through kv_b_proj into
-  // per-head keys and values (prefill); both read the same cached latent.
-  absl::Status MlaAttention(std::span<const SequenceTokens> batch, int layer, PagedKvCache* cache,
-                            const std::vector<int64_t>& starts, const std::vector<float>& a,
-                            int64_t total, std::span<const RowRun> plan,
-                            std::vector<float>* out) const;
-  // plan: the row plan of a's m rows (linear.h RowRun); MoE experts get the
-  // kinds of their gathered rows.
-  absl::Status Mlp(const Layer& layer, const std::vector<float>& a, int64_t m,
-                   std::span<const RowRun> plan, std::vector<float>* out) const;
 
   ModelConfig config_;
   std::vector<double> rope_inv_freq_;
@@ -280,10 +233,9 @@ class Transformer {
   comm::Communicator* comm_ = nullptr;  // null: a single rank
   uint64_t bytes_read_ = 0;
   absl::Duration collective_timeout_;
-  // MoE: tokens routed per expert index (num_experts entries; only held
-  // experts count). Relaxed atomics, written by Forward.
-  std::unique_ptr<std::atomic<uint64_t>[]> expert_tokens_;
-  std::vector<bool> expert_held_;
+  std::vector<bool> expert_held_;  // MoE: per expert index, whether a layer here holds it
+  std::vector<KvLayout> kv_layouts_;    // of the layers that keep KV, in cache-layer order
+  std::vector<int64_t> state_floats_;   // of the layers with per-sequence state, by state slot
 };
 
 }  // namespace exl3serve::worker

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# A Gated DeltaNet hybrid served end to end (issue 36): the Qwen3.5-MoE demo
+# model (`make-demo-model --arch qwen3.5-moe`: three linear-attention layers
+# and one gated attention layer, 8 experts and a gated shared expert, text keys
+# under text_config, tensors under model.language_model, a vision tensor that
+# is skipped; the Qwen3 tokenizer when built into $EXL3_BUILD_DIR/demo-tokenizer),
+# unquantized:
+#   * `serve --tp 1`: 16 greedy streams, each alone (the references), then all
+#     16 at once: the same ids (each sequence's recurrent state is its own);
+#   * `serve --tp 2 --http-port 0` (one key head and its 3 value heads per
+#     rank, the experts 4/4): the same ids alone and batched through gRPC, and
+#     /v1/completions answers with the TP 1 ids (and text with the tokenizer);
+#   * GetServerInfo reports prefix caching off (a recurrent state cannot resume
+#     from a cached prefix yet) and the serve log says so.
+# Needs /usr/bin/python3 with grpcio and the stubs in $EXL3_BUILD_DIR/python
+# (else exit 77 = skip).
+set -uo pipefail
+BIN=$1
+SRC=${EXL3_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
+source "$SRC/tests/cli/lib/serve.sh"
+serve_test_setup  # BUILD, WORK, the cleanup trap, fail, the Python skip, py
+
+STREAMS=16
+TOKENS=24
+EXTRA=(--kv-pages 400 --shutdown-grace-ms 2000)
+TOK=$BUILD/demo-tokenizer
+tok=(--no-tokenizer)
+[ -f "$TOK/tokenizer.json" ] && [ -f "$TOK/tokenizer_config.json" ] && tok=(--tokenizer-dir "$TOK")
+"$BIN" make-demo-model --arch qwen3.5-moe "${tok[@]}" --out "$WORK/hybrid" >/dev/null ||
+  fail "make-demo-model --arch qwen3.5-moe"
+
+serve_start "$WORK/hybrid" --tp 1 "${EXTRA[@]}"
+py refs --out "$WORK/tp1.json" --streams $STREAMS --max-tokens $TOKENS || fail "tp1 refs"
+py streams --refs "$WORK/tp1.json" --kill-pid 0 --expect same || fail "tp1: batched != alone"
+grep -q "keeps a recurrent state per sequence: prefix caching" "$LOG" || fail "no log line about prefix caching"
+"$BIN" client --addr "$ADDR" --info >"$WORK/info.json" 2>"$WORK/info.err" || fail "server info"
+/usr/bin/python3 - "$WORK/info.json" <<'PY' || fail "server info says prefix caching is on: $(cat "$WORK/info.json")"
+import json, sys
+info = json.load(open(sys.argv[1]))
+flat = json.dumps(info)
+assert '"prefixCacheEnabled": true' not in flat and '"prefix_cache_enabled": true' not in flat, flat[:400]
+print("GetServerInfo: prefix caching off")
+PY
+serve_stop || fail "serve --tp 1 exited non-zero"
+
+serve_start "$WORK/hybrid" --tp 2 --http-port 0 "${EXTRA[@]}"
+py refs --out "$WORK/tp2.json" --streams $STREAMS --max-tokens $TOKENS || fail "tp2 refs"
+py same "$WORK/tp1.json" "$WORK/tp2.json" || fail "tp2 alone != tp1"
+py streams --refs "$WORK/tp1.json" --kill-pid 0 --expect same || fail "tp2 batched != tp1"
+HTTP=$(sed -n 's/^http: listening on //p' "$LOG")
+[ -n "$HTTP" ] || fail "no 'http: listening on' line"
+# /v1/completions with the first reference stream's prompt ids: its ids.
+/usr/bin/python3 - "$WORK/tp1.json" "http://$HTTP" <<'PY' || fail "OpenAI completions != gRPC"
+import json, sys, urllib.request
+ref = json.load(open(sys.argv[1]))["refs"][0]
+body = {"model": "hybrid", "prompt": ref["prompt"], "max_tokens": len(ref["ids"]), "temperature": 0,
+        "return_token_ids": True, "ignore_eos": True}
+req = urllib.request.Request(sys.argv[2] + "/v1/completions", json.dumps(body).encode(),
+                             {"Content-Type": "application/json"})
+out = json.load(urllib.request.urlopen(req, timeout=120))
+ids = out["choices"][0]["token_ids"]
+assert ids == ref["ids"], (ids, ref["ids"])
+print(f"OpenAI /v1/completions at tp 2: the tp 1 ids ({len(ids)} tokens): {out['choices'][0]['text']!r}")
+PY
+serve_stop || fail "serve --tp 2 exited non-zero"
+echo "qwen3_5_moe_serve: OK"
