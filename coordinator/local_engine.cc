@@ -133,15 +133,13 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                       options.speculative == SpeculativeMethod::kNone
                                           ? 0
                                           : options.draft_token_budget}),
-      drafting_(!facts_.arch.has_recurrent_state() &&
-                (options.speculative == SpeculativeMethod::kNgram ||
-                 (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr))),
+      drafting_(options.speculative == SpeculativeMethod::kNgram ||
+                (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr)),
       draft_model_(std::move(draft_model)) {
-  if (facts_.arch.has_recurrent_state() &&
-      (options.enable_prefix_caching || options.speculative != SpeculativeMethod::kNone)) {
+  if (facts_.arch.has_recurrent_state() && options.enable_prefix_caching) {
     EXL3_LOG(kWarning) << facts_.arch.architecture
-                       << " keeps a recurrent state per sequence: prefix caching and speculative "
-                          "decoding are off for it (state snapshots and rollback are not built yet)";
+                       << " keeps a recurrent state per sequence: prefix caching is off for it "
+                          "(state snapshots at block boundaries are not built yet)";
   }
   if (options.speculative == SpeculativeMethod::kDraftModel && draft_model_ == nullptr) {
     EXL3_LOG(kError) << "--speculative draft without a draft model: decoding without drafts";

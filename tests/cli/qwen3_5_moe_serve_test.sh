@@ -11,7 +11,9 @@
 #     rank, the experts 4/4): the same ids alone and batched through gRPC, and
 #     /v1/completions answers with the TP 1 ids (and text with the tokenizer);
 #   * GetServerInfo reports prefix caching off (a recurrent state cannot resume
-#     from a cached prefix yet) and the serve log says so.
+#     from a cached prefix yet) and the serve log says so;
+#   * n-gram drafting at TP 2 on the random-logits test model: drafted ==
+#     undrafted, alone and batched, with rejected drafts rolled back.
 # Needs /usr/bin/python3 with grpcio and the stubs in $EXL3_BUILD_DIR/python
 # (else exit 77 = skip).
 set -uo pipefail
@@ -63,4 +65,30 @@ assert ids == ref["ids"], (ids, ref["ids"])
 print(f"OpenAI /v1/completions at tp 2: the tp 1 ids ({len(ids)} tokens): {out['choices'][0]['text']!r}")
 PY
 serve_stop || fail "serve --tp 2 exited non-zero"
+
+# Exact drafting: the random-logits test model with prompts that repeat a
+# span (n-gram drafts are proposed; its random output rejects them):
+# drafted == undrafted at TP 2, alone and batched — every rejection rolls
+# each rank's recurrent state back to the last accepted token
+# (PagedKvCache::RollbackWithState; partly accepted drafts are covered by
+# tests/worker/speculative_verify_test.cc).
+SERVE_PY_FLAGS=(--repetitive)
+"$BIN" make-test-model --arch qwen3.5-moe --seed 3 --out "$WORK/test" >/dev/null ||
+  fail "make-test-model --arch qwen3.5-moe"
+serve_start "$WORK/test" --tp 2 "${EXTRA[@]}"
+py refs --out "$WORK/undrafted.json" --streams $STREAMS --max-tokens $TOKENS || fail "undrafted refs"
+serve_stop || fail "serve test --tp 2 exited non-zero"
+serve_start "$WORK/test" --tp 2 --speculative ngram --draft-tokens 6 --no-draft-governor "${EXTRA[@]}"
+py refs --out "$WORK/drafted.json" --streams $STREAMS --max-tokens $TOKENS || fail "drafted refs"
+py same "$WORK/undrafted.json" "$WORK/drafted.json" || fail "drafted alone != undrafted"
+py streams --refs "$WORK/undrafted.json" --kill-pid 0 --expect same || fail "drafted batch != undrafted"
+py info --ready 1 --min-drafts 1 >"$WORK/spec.txt" || fail "drafting did not happen"
+cat "$WORK/spec.txt"
+/usr/bin/python3 - "$WORK/spec.txt" <<'PY' || fail "no draft was rejected (no rollback exercised)"
+import re, sys
+m = re.search(r"(\d+) draft tokens, (\d+) accepted", open(sys.argv[1]).read())
+assert m and int(m.group(2)) < int(m.group(1)), m and m.groups()
+print(f"{int(m.group(1)) - int(m.group(2))} draft tokens rejected and rolled back")
+PY
+serve_stop || fail "serve --speculative exited non-zero"
 echo "qwen3_5_moe_serve: OK"

@@ -33,13 +33,15 @@ constexpr int kDecodeSteps = 4;   // greedy steps after the prompts
 constexpr int64_t kChunk = 23;    // the prefill chunk sharing the decode steps
 constexpr int64_t kChunks = 3;
 
-// (model "llama" | "qwen3-moe", prefill precision).
+// (model "llama" | "qwen3-moe" | "qwen3.5-moe" (the Gated DeltaNet hybrid
+// test shape: each sequence's recurrent state is its own), prefill precision).
 class BatchPrecisionTest : public ::testing::TestWithParam<std::tuple<std::string, Precision>> {
  public:
   static void SetUpTestSuite() {
     dir_ = new exl3serve::testing::ScratchDir();
-    for (const char* arch : {"llama", "qwen3-moe"}) {
+    for (const char* arch : {"llama", "qwen3-moe", "qwen3.5-moe"}) {
       sharding::TestModelOptions options;
+      if (std::string(arch) == "qwen3.5-moe") options = sharding::Qwen3NextTestDefaults(arch);
       options.arch = arch;
       options.seed = 31;
       options.hidden_size = 128;
@@ -227,12 +229,12 @@ TEST_P(BatchPrecisionTest, EveryEntryGetsTheLogitsItGetsAlone) {
 
 INSTANTIATE_TEST_SUITE_P(
     Models, BatchPrecisionTest,
-    ::testing::Combine(::testing::Values("llama", "qwen3-moe"),
+    ::testing::Combine(::testing::Values("llama", "qwen3-moe", "qwen3.5-moe"),
                        ::testing::Values(Precision::kFloat, Precision::kBf16)),
     [](const ::testing::TestParamInfo<std::tuple<std::string, Precision>>& info) {
       std::string name = std::get<0>(info.param) + "_prefill_" +
                          GemmPrecisionName(std::get<1>(info.param));
-      for (char& c : name) c = c == '-' ? '_' : c;
+      for (char& c : name) c = c == '-' || c == '.' ? '_' : c;
       return name;
     });
 

@@ -5,7 +5,11 @@
 // decoding sequences and a prefill chunk, every run of tokens equals what
 // one-token-at-a-time decoding of the same sequence draws; the KV length
 // after each step is exactly the accepted positions, and a later step
-// overwrites the rejected ones. Also the argument checks.
+// overwrites the rejected ones. The same for a Gated DeltaNet hybrid
+// (qwen3.5-moe test model, bf16 and EXL3 at int8 decode), whose recurrent
+// state cannot be shortened: each rejection rolls it back to the state kept
+// after the last accepted token (PagedKvCache::RollbackWithState). Also the
+// argument checks.
 #include <algorithm>
 #include <memory>
 #include <random>
@@ -26,7 +30,8 @@ namespace {
 
 // The model by name: "bf16" (the plain checkpoint), "exl3" (converted at
 // 4 bpw; EXL3 linears at the library's default fp32 activations) or
-// "exl3-int8" (the same with int8 decode activations, serve's default).
+// "exl3-int8" (the same with int8 decode activations, serve's default);
+// "hybrid-bf16" / "hybrid-exl3-int8": the qwen3.5-moe test model likewise.
 class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
  public:
   static void SetUpTestSuite() {
@@ -43,13 +48,22 @@ class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
     convert.threads = 2;
     convert.show_progress = false;
     ASSERT_TRUE(sharding::ConvertModel(convert).ok());
+    sharding::TestModelOptions hybrid = sharding::Qwen3NextTestDefaults("qwen3.5-moe");
+    hybrid.seed = 5;
+    ASSERT_TRUE(sharding::WriteTestModel(dir_->File("hybrid-bf16"), hybrid).ok());
+    convert.in_dir = dir_->File("hybrid-bf16");
+    convert.out_dir = dir_->File("hybrid-exl3");
+    ASSERT_TRUE(sharding::ConvertModel(convert).ok());
   }
   static void TearDownTestSuite() {
     delete dir_;
     dir_ = nullptr;
   }
   void SetUp() override {
-    auto loaded = Transformer::Load(dir_->File(GetParam() == "exl3-int8" ? "exl3" : GetParam()));
+    const std::string& p = GetParam();
+    auto loaded = Transformer::Load(dir_->File(p == "exl3-int8"          ? "exl3"
+                                               : p == "hybrid-exl3-int8" ? "hybrid-exl3"
+                                                                         : p));
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     owned_ = std::move(*loaded);
     model_ = owned_.get();
@@ -70,7 +84,9 @@ class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
   // so that the first step's prompts share one int8 call instead of several
   // prefill-kind prompts sharing an fp32 one (fp32 sums depend on a call's
   // row count: close, not bit-equal, to the serial run's).
-  bool int8() const { return GetParam() == "exl3-int8"; }
+  bool int8() const {
+    return GetParam() == "exl3-int8" || GetParam() == "hybrid-exl3-int8";
+  }
 
  protected:
   struct Seq {
@@ -345,7 +361,9 @@ TEST_P(SpeculativeVerifyTest, TheInProcessExecutorVerifiesThroughTheSeam) {
   EXPECT_EQ(none.ForwardVerified({}, {}, {}, &runs).code(), absl::StatusCode::kUnimplemented);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, SpeculativeVerifyTest, ::testing::Values("bf16", "exl3", "exl3-int8"),
+INSTANTIATE_TEST_SUITE_P(Models, SpeculativeVerifyTest,
+                         ::testing::Values("bf16", "exl3", "exl3-int8", "hybrid-bf16",
+                                           "hybrid-exl3-int8"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            std::string name = info.param;
                            for (char& c : name) c = c == '-' ? '_' : c;

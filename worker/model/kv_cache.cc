@@ -315,6 +315,54 @@ void PagedKvCache::SetLength(int64_t seq_id, int64_t length) {
   it->second.length = length;
 }
 
+absl::Status PagedKvCache::KeepStateHistory(int64_t seq_id, int64_t positions) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  Sequence& s = it->second;
+  const size_t floats = static_cast<size_t>(positions * shape_.state_floats_per_sequence());
+  try {
+    if (s.history.size() < floats) s.history.resize(floats);
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: sequence ", seq_id, ": cannot allocate the recurrent state of ", positions,
+        " draft positions (", (floats * sizeof(float)) >> 20, " MiB)"));
+  }
+  s.history_start = s.length;
+  s.history_positions = positions;
+  return absl::OkStatus();
+}
+
+float* PagedKvCache::StateHistory(int64_t seq_id, int slot, int64_t position) {
+  auto it = sequences_.find(seq_id);
+  EXL3_CHECK(it != sequences_.end()) << "unknown sequence " << seq_id;
+  Sequence& s = it->second;
+  const int64_t index = position - s.history_start;
+  if (index < 0 || index >= s.history_positions) return nullptr;
+  return s.history.data() + index * shape_.state_floats_per_sequence() + state_offsets_[slot];
+}
+
+absl::Status PagedKvCache::RollbackWithState(int64_t seq_id, int64_t length) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  Sequence& s = it->second;
+  const int64_t index = length - 1 - s.history_start;
+  if (length > s.length || index < 0 || index >= s.history_positions) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kv cache: sequence ", seq_id, ": no kept state for length ", length, " (kept after ",
+        s.history_positions, " positions from ", s.history_start, ", length ", s.length, ")"));
+  }
+  const int64_t floats = shape_.state_floats_per_sequence();
+  std::copy_n(s.history.data() + index * floats, floats, s.state.data());
+  s.length = length;
+  s.history_positions = 0;
+  return absl::OkStatus();
+}
+
+void PagedKvCache::DropStateHistory(int64_t seq_id) {
+  auto it = sequences_.find(seq_id);
+  if (it != sequences_.end()) it->second.history_positions = 0;
+}
+
 float* PagedKvCache::State(int64_t seq_id, int slot) {
   auto it = sequences_.find(seq_id);
   EXL3_CHECK(it != sequences_.end()) << "unknown sequence " << seq_id;

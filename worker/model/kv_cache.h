@@ -160,6 +160,25 @@ class PagedKvCache {
   // Requires for State: the sequence exists and the slot is in range (CHECKed).
   bool has_state() const { return !shape_.state_floats.empty(); }
   float* State(int64_t seq_id, int slot);
+
+  // Speculative verification of a sequence with state: its next Forward
+  // (of at most `positions` tokens) also keeps the state after each of its
+  // tokens, so that a rollback to any of them is a copy
+  // (RollbackWithState). The buffer grows to the largest request and is
+  // reused. Errors: NotFound for an unknown id; ResourceExhausted when the
+  // buffer cannot be allocated.
+  absl::Status KeepStateHistory(int64_t seq_id, int64_t positions);
+  // Where a recurrent layer writes the state after the token at `position`
+  // during the kept Forward: slot `slot`'s copy (state_floats[slot] floats);
+  // null when no history is kept for that position.
+  float* StateHistory(int64_t seq_id, int slot, int64_t position);
+  // Shortens the sequence to `length` (> the length at KeepStateHistory,
+  // <= its length now) and makes its state the one kept after position
+  // length - 1; ends the history. FailedPrecondition when no history covers
+  // that position.
+  absl::Status RollbackWithState(int64_t seq_id, int64_t length);
+  // Ends the history (the kept Forward's state stands). No-op without one.
+  void DropStateHistory(int64_t seq_id);
   // Bytes of state one sequence holds (0 without state).
   int64_t state_bytes_per_sequence() const {
     return shape_.state_floats_per_sequence() * static_cast<int64_t>(sizeof(float));
@@ -170,6 +189,11 @@ class PagedKvCache {
     std::vector<int64_t> pages;
     int64_t length = 0;
     std::vector<float> state;  // every state slot, concatenated
+    // KeepStateHistory: [position - history_start][every slot], for
+    // positions [history_start, history_start + history_positions).
+    std::vector<float> history;
+    int64_t history_start = 0;
+    int64_t history_positions = 0;
   };
   PagedKvCache() = default;
   // Bytes of one (position, head) entry's values of width `dim`, excluding

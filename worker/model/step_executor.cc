@@ -65,13 +65,6 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
   for (size_t i = 0; i < batch.size(); ++i) {
     const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
     const int32_t d = draft_counts[i];
-    if (d > 0 && cache->has_state()) {
-      // A rejected draft would have to roll the recurrent state back.
-      return absl::FailedPreconditionError(absl::StrCat(
-          "verified forward: sequence ", batch[i].seq_id, " drafts ", d, " tokens, but this "
-          "model keeps a recurrent state per sequence, which cannot roll back rejected drafts "
-          "yet; serve it without --speculative"));
-    }
     if (d < 0 || (d > 0 && (sample[i] == 0 || d >= n))) {
       return absl::InvalidArgumentError(absl::StrCat(
           "verified forward: entry ", i, " (sequence ", batch[i].seq_id, ") has ", d,
@@ -91,6 +84,24 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
   }
   EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, draft_counts, model.vocab_size()));
   const int64_t mask_words = AllowedTokenWords(model.vocab_size());
+  // A recurrent state cannot be shortened: keep the state after each token
+  // of a drafting entry, so a rejection rolls back by a copy.
+  std::vector<int64_t> kept;
+  if (cache->has_state()) {
+    for (size_t i = 0; i < batch.size(); ++i) {
+      if (draft_counts[i] == 0) continue;
+      EXL3_RETURN_IF_ERROR(cache->KeepStateHistory(batch[i].seq_id,
+                                                   static_cast<int64_t>(batch[i].tokens.size())));
+      kept.push_back(batch[i].seq_id);
+    }
+  }
+  struct DropHistory {
+    PagedKvCache* cache;
+    const std::vector<int64_t>& seqs;
+    ~DropHistory() {
+      for (int64_t s : seqs) cache->DropStateHistory(s);
+    }
+  } drop_history{cache, kept};
   EXL3_RETURN_IF_ERROR(model.ForwardVocabSliceLastRows(batch, last_rows, cache, slice));
   for (size_t i = 0; i < batch.size(); ++i) {
     sampler->Observe(batch[i].seq_id, batch[i].tokens.first(batch[i].tokens.size() - draft_counts[i]));
@@ -127,7 +138,12 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
         // Drop the KV of the draft positions after the last accepted one.
         const int64_t rejected = d - round;
         if (rejected > 0) {
-          cache->SetLength(batch[i].seq_id, cache->Length(batch[i].seq_id) - rejected);
+          const int64_t length = cache->Length(batch[i].seq_id) - rejected;
+          if (cache->has_state()) {
+            EXL3_RETURN_IF_ERROR(cache->RollbackWithState(batch[i].seq_id, length));
+          } else {
+            cache->SetLength(batch[i].seq_id, length);
+          }
         }
       }
     }

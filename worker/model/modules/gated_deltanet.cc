@@ -153,7 +153,8 @@ absl::Status GatedDeltaNet::Project(const StepBatch& step, const float* x, float
 void GatedDeltaNet::Recurrence(int64_t tokens, int64_t dk, int64_t dv, const float* q,
                                int64_t q_stride, const float* k, int64_t k_stride, const float* v,
                                int64_t v_stride, const float* decay, const float* beta,
-                               int64_t gb_stride, float* state, float* o, int64_t o_stride) {
+                               int64_t gb_stride, float* state, float* o, int64_t o_stride,
+                               float* history, int64_t history_stride) {
   std::vector<double> r(static_cast<size_t>(dv)), acc(static_cast<size_t>(dv));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* qt = q + t * q_stride;
@@ -183,6 +184,7 @@ void GatedDeltaNet::Recurrence(int64_t tokens, int64_t dk, int64_t dv, const flo
     }
     float* ot = o + t * o_stride;
     for (int64_t j = 0; j < dv; ++j) ot[j] = static_cast<float>(acc[j]);
+    if (history != nullptr) std::copy_n(state, dk * dv, history + t * history_stride);
   }
 }
 
@@ -226,6 +228,16 @@ absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, Paged
       }
     }
     std::memcpy(conv_state, ext.data() + n * channels, sizeof(float) * history * channels);
+    // Speculative verification: the state after each token (conv window now,
+    // the matrices in the recurrence below).
+    float* kept = cache->StateHistory(step.batch[e].seq_id, state_slot_, step.starts[e]);
+    const int64_t kept_stride = cache->shape().state_floats_per_sequence();
+    if (kept != nullptr) {
+      for (int64_t t = 0; t < n; ++t) {
+        std::memcpy(kept + t * kept_stride, ext.data() + (t + 1) * channels,
+                    sizeof(float) * history * channels);
+      }
+    }
     // q̂, k̂ per key head; β and the decay per value head.
     std::vector<float> decay(static_cast<size_t>(n * nv_)), beta(decay.size());
     for (int64_t t = 0; t < n; ++t) {
@@ -246,7 +258,8 @@ absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, Paged
       const int64_t j = h / g_;  // its key head
       Recurrence(n, dk_, dv_, &act[j * dk_], channels, &act[key + j * dk_], channels,
                  &act[2 * key + h * dv_], channels, &decay[h], &beta[h], nv_,
-                 matrices + h * dk_ * dv_, &o[h * dv_], value);
+                 matrices + h * dk_ * dv_, &o[h * dv_], value,
+                 kept == nullptr ? nullptr : kept + conv_floats() + h * dk_ * dv_, kept_stride);
     });
     // Gated RMSNorm per value head (plain weight), then SiLU(z).
     for (int64_t t = 0; t < n; ++t) {

@@ -21,7 +21,10 @@
 // token by token in fp32 (prefill and decode alike), so chunked prefill,
 // prefill at once and decoding give the same state and outputs bit for bit.
 // The state advances in place: a Forward that fails leaves it advanced (the
-// caller's sequence must be dropped and re-prefilled).
+// caller's sequence must be dropped and re-prefilled). When the cache keeps a
+// state history for the sequence (PagedKvCache::KeepStateHistory:
+// speculative verification), the state after each token is kept too, so
+// rejected drafts roll back by a copy.
 //
 // Tensor parallelism by key heads (shard_plan.h LayerShard::linear_key_heads):
 // a rank holds its key heads, their value heads, the matching Q, K and V conv
@@ -58,12 +61,15 @@ class GatedDeltaNet final : public TokenMixer {
   // The recurrence of one value head over `tokens` tokens, in place on
   // `state` [dk][dv]: q, k (already normalised and scaled) [tokens][dk] with
   // row stride q_stride / k_stride, v [tokens][dv] stride v_stride, decay
-  // exp(g) and β per token; writes o [tokens][dv] with stride o_stride. The
-  // scalar kernel every path runs (public for tests and benchmarks).
+  // exp(g) and β per token; writes o [tokens][dv] with stride o_stride;
+  // with `history`, also the state after token t to history + t·history_stride
+  // (speculative verification's rollback points). The scalar kernel every
+  // path runs (public for tests and benchmarks).
   static void Recurrence(int64_t tokens, int64_t dk, int64_t dv, const float* q, int64_t q_stride,
                          const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                          const float* decay, const float* beta, int64_t gb_stride, float* state,
-                         float* o, int64_t o_stride);
+                         float* o, int64_t o_stride, float* history = nullptr,
+                         int64_t history_stride = 0);
 
  private:
   GatedDeltaNet() = default;
