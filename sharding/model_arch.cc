@@ -389,6 +389,10 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& root) {
       if (auto s = read(key, out); !s.ok()) return s;
       if (*out > kMaxConfigWidth) return OverLimit(key, *out, "kMaxConfigWidth", kMaxConfigWidth);
     }
+    if (arch.gdn_value_dim > 1024) {  // kernels::kGatedDeltaRuleMaxDv
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config.json: `linear_value_head_dim` = ", arch.gdn_value_dim, " is over 1024"));
+    }
     if (arch.gdn_value_heads % arch.gdn_key_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config.json: `linear_num_value_heads` (", arch.gdn_value_heads,

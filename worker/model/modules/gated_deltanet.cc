@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/gated_delta_rule.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace exl3serve::worker {
@@ -155,37 +156,8 @@ void GatedDeltaNet::Recurrence(int64_t tokens, int64_t dk, int64_t dv, const flo
                                int64_t v_stride, const float* decay, const float* beta,
                                int64_t gb_stride, float* state, float* o, int64_t o_stride,
                                float* history, int64_t history_stride) {
-  std::vector<double> r(static_cast<size_t>(dv)), acc(static_cast<size_t>(dv));
-  for (int64_t t = 0; t < tokens; ++t) {
-    const float* qt = q + t * q_stride;
-    const float* kt = k + t * k_stride;
-    const float* vt = v + t * v_stride;
-    const float d = decay[t * gb_stride], bt = beta[t * gb_stride];
-    // S ← exp(g)·S; r = Sᵀk̂.
-    std::fill(r.begin(), r.end(), 0.0);
-    for (int64_t i = 0; i < dk; ++i) {
-      float* s = state + i * dv;
-      const double ki = kt[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        s[j] *= d;
-        r[j] += s[j] * ki;
-      }
-    }
-    // u = β(v − r); S ← S + k̂uᵀ; o = Sᵀq̂ (the updated state).
-    for (int64_t j = 0; j < dv; ++j) r[j] = bt * (vt[j] - r[j]);
-    std::fill(acc.begin(), acc.end(), 0.0);
-    for (int64_t i = 0; i < dk; ++i) {
-      float* s = state + i * dv;
-      const double ki = kt[i], qi = qt[i];
-      for (int64_t j = 0; j < dv; ++j) {
-        s[j] = static_cast<float>(s[j] + ki * r[j]);
-        acc[j] += s[j] * qi;
-      }
-    }
-    float* ot = o + t * o_stride;
-    for (int64_t j = 0; j < dv; ++j) ot[j] = static_cast<float>(acc[j]);
-    if (history != nullptr) std::copy_n(state, dk * dv, history + t * history_stride);
-  }
+  kernels::GatedDeltaRule(tokens, dk, dv, q, q_stride, k, k_stride, v, v_stride, decay, beta,
+                          gb_stride, state, o, o_stride, history, history_stride);
 }
 
 absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, PagedKvCache* cache,

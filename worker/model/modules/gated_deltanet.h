@@ -63,8 +63,8 @@ class GatedDeltaNet final : public TokenMixer {
   // row stride q_stride / k_stride, v [tokens][dv] stride v_stride, decay
   // exp(g) and β per token; writes o [tokens][dv] with stride o_stride;
   // with `history`, also the state after token t to history + t·history_stride
-  // (speculative verification's rollback points). The scalar kernel every
-  // path runs (public for tests and benchmarks).
+  // (speculative verification's rollback points). kernels::GatedDeltaRule
+  // (runtime-dispatched, bit-identical variants), which every path runs.
   static void Recurrence(int64_t tokens, int64_t dk, int64_t dv, const float* q, int64_t q_stride,
                          const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                          const float* decay, const float* beta, int64_t gb_stride, float* state,

@@ -1,0 +1,229 @@
+// Gated DeltaNet hybrids (issue 36) on this machine, measured in one run:
+//
+// 1. The recurrence kernel (kernels::GatedDeltaRule) of one layer of the
+//    Qwen3.5-27B shape (48 value heads of dk = dv = 128) and the 35B-A3B shape
+//    (32 heads), on all threads: tokens/s fed token by token (as decode and
+//    today's prefill run it) and the state bytes it touches per second.
+// 2. A bench model with the real per-layer shapes of Qwen3.5-35B-A3B (hidden
+//    2048; gated attention 16 / 2 heads of 256, 64 dims rotated; Gated
+//    DeltaNet Hk 16, Hv 32, dk = dv = 128, conv 4; MoE top-8 of width 512 and
+//    a gated shared expert of 512), 4 layers [linear x 3, full], 16 experts
+//    instead of 256 (the same work per token), vocab 1000, bf16 weights held in
+//    16 bits: decode tokens/s (1 stream, greedy argmax) after a 256-token
+//    and after an 8192-token context, and their ratio (the goal: >= 0.9 —
+//    three layers in four read no context); prefill tokens/s of a 2048-token
+//    prompt; the per-sequence state bytes.
+//
+//   gdn_bench [--work DIR] [--contexts 256,8192] [--decode 16] [--quick]
+//
+// --quick: contexts 256,2048 and 8 decode steps (a smoke run). The model is
+// written to --work (default: a temp dir, removed) and reused when present.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/thread_pool.h"
+#include "sharding/test_model.h"
+#include "worker/model/modules/gated_deltanet.h"
+#include "worker/model/transformer.h"
+
+namespace exl3serve {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Tokens/s of the recurrence over `tokens` tokens fed one at a time (each
+// call one token, as decode and today's prefill run it), all heads in parallel.
+double RecurrenceTokensPerSecond(int64_t heads, int64_t dk, int64_t dv, int64_t tokens) {
+  kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> q(tokens * dk), k(tokens * dk), v(tokens * dv), decay(tokens), beta(tokens);
+  for (float& x : q) x = normal(rng) / std::sqrt(static_cast<float>(dk * dk));
+  for (float& x : k) x = normal(rng) / std::sqrt(static_cast<float>(dk));
+  for (float& x : v) x = normal(rng);
+  for (float& x : decay) x = 0.95f;
+  for (float& x : beta) x = 0.5f;
+  std::vector<float> state(heads * dk * dv, 0.0f), o(heads * tokens * dv);
+  const auto t0 = Clock::now();
+  for (int64_t t = 0; t < tokens; ++t) {
+    pool.ParallelFor(heads, 0, [&](int64_t h, int) {
+      worker::GatedDeltaNet::Recurrence(1, dk, dv, &q[t * dk], dk, &k[t * dk], dk, &v[t * dv], dv,
+                                        &decay[t], &beta[t], 1, &state[h * dk * dv],
+                                        &o[(h * tokens + t) * dv], dv);
+    });
+  }
+  return static_cast<double>(tokens) / Seconds(t0, Clock::now());
+}
+
+int32_t ArgMax(const std::vector<float>& row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+int Main(int argc, char** argv) {
+  std::string work;
+  std::vector<int64_t> contexts = {256, 8192};
+  int decode = 16;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&](const char* flag) -> std::string {
+      const std::string prefix = std::string(flag) + "=";
+      if (a.rfind(prefix, 0) == 0) return a.substr(prefix.size());
+      if (a == flag && i + 1 < argc) return argv[++i];
+      return "";
+    };
+    if (a == "--quick") {
+      contexts = {256, 2048};
+      decode = 8;
+    } else if (std::string v = value("--work"); !v.empty()) {
+      work = v;
+    } else if (std::string v = value("--decode"); !v.empty()) {
+      decode = std::atoi(v.c_str());
+    } else if (std::string v = value("--contexts"); !v.empty()) {
+      contexts.clear();
+      for (absl::string_view c : absl::StrSplit(v, ',')) {
+        int64_t n = 0;
+        if (absl::SimpleAtoi(c, &n)) contexts.push_back(n);
+      }
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", a.c_str());
+      return 2;
+    }
+  }
+  const bool temp = work.empty();
+  if (temp) work = std::filesystem::temp_directory_path() / ("gdn_bench." + std::to_string(getpid()));
+
+  // 1. The recurrence kernel: each token reads and writes every head's
+  // state twice (decay + Sᵀk, then the update + Sᵀq): 16·dk·dv bytes per head.
+  std::printf("recurrence, %d threads (kernels::GatedDeltaRule, %s variant):\n\n",
+              kernels::cpu::SharedThreadPool().size(),
+              std::string(kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())).c_str());
+  std::printf("| layer shape | heads x dk x dv | state MiB | tok/s (token by token) | state GB/s touched |\n");
+  std::printf("|---|---|---|---|---|\n");
+  for (auto [name, heads] : {std::pair<const char*, int64_t>{"Qwen3.5-27B", 48}, {"Qwen3.5-35B-A3B", 32}}) {
+    const int64_t tokens = 512;
+    const double rate = RecurrenceTokensPerSecond(heads, 128, 128, tokens);
+    const double state = 4.0 * heads * 128 * 128;
+    std::printf("| %s | %lld x 128 x 128 | %.1f | %.0f | %.1f |\n", name,
+                static_cast<long long>(heads), state / 1048576.0, rate, 4.0 * state * rate / 1e9);
+  }
+
+  // 2. The bench model.
+  sharding::TestModelOptions o = sharding::Qwen3NextTestDefaults("qwen3.5-moe");
+  o.seed = 7;
+  o.hidden_size = 2048;
+  o.num_attention_heads = 16;
+  o.num_key_value_heads = 2;
+  o.head_dim = 256;
+  o.gdn_key_heads = 16;
+  o.gdn_value_heads = 32;
+  o.gdn_key_dim = 128;
+  o.gdn_value_dim = 128;
+  o.num_experts = 16;
+  o.num_experts_per_token = 8;
+  o.moe_intermediate_size = 512;
+  o.shared_expert_intermediate_size = 512;
+  o.intermediate_size = 512;
+  o.vocab_size = 1000;
+  const std::string dir = work + "/qwen3.5-35b-a3b-shape";
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    const auto t0 = Clock::now();
+    if (absl::Status s = sharding::WriteTestModel(dir, o); !s.ok()) {
+      std::fprintf(stderr, "write: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    std::printf("\nwrote the bench model in %.1f s\n", Seconds(t0, Clock::now()));
+  }
+  absl::StatusOr<std::unique_ptr<worker::Transformer>> model = worker::Transformer::Load(dir);
+  if (!model.ok()) {
+    std::fprintf(stderr, "load: %s\n", std::string(model.status().message()).c_str());
+    return 1;
+  }
+  const int64_t max_context = *std::max_element(contexts.begin(), contexts.end());
+  worker::KvCacheOptions kv;
+  kv.dtype = worker::KvCacheDtype::kFp16;
+  kv.num_pages = (max_context + decode + 2048 + 15) / 16 + 4;
+  absl::StatusOr<worker::PagedKvCache> cache = (*model)->CreateKvCache(kv);
+  if (!cache.ok()) {
+    std::fprintf(stderr, "cache: %s\n", std::string(cache.status().message()).c_str());
+    return 1;
+  }
+  std::printf("\nbench model (Qwen3.5-35B-A3B layer shapes, 4 layers, bf16): recurrent state %.2f MiB "
+              "per sequence (%lld state slots), KV %lld bytes per token (1 attention layer, fp16)\n",
+              cache->state_bytes_per_sequence() / 1048576.0,
+              static_cast<long long>(cache->shape().state_floats.size()),
+              static_cast<long long>(cache->bytes_per_page() / kv.page_size_tokens));
+  std::mt19937 rng(9);
+  auto prompt = [&](int64_t n) {
+    std::vector<int32_t> ids(n);
+    for (int32_t& id : ids) id = static_cast<int32_t>(rng() % 1000);
+    return ids;
+  };
+  std::vector<float> logits;
+  // Prefill 2048 tokens in chunks of 512 (as the scheduler feeds them).
+  {
+    const std::vector<int32_t> p = prompt(2048);
+    if (!cache->AddSequence(1).ok()) return 1;
+    const auto t0 = Clock::now();
+    for (size_t at = 0; at < p.size(); at += 512) {
+      const worker::SequenceTokens entry{1, std::span<const int32_t>(p).subspan(at, 512)};
+      if (absl::Status s = (*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*cache, &logits);
+          !s.ok()) {
+        std::fprintf(stderr, "prefill: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
+    std::printf("prefill of 2048 tokens (chunks of 512): %.1f tok/s\n",
+                2048.0 / Seconds(t0, Clock::now()));
+    (void)cache->RemoveSequence(1);
+  }
+  std::printf("\n| context | decode tok/s (1 stream) | vs %lld |\n|---|---|---|\n",
+              static_cast<long long>(contexts.front()));
+  double first = 0.0;
+  for (int64_t context : contexts) {
+    const std::vector<int32_t> p = prompt(context);
+    if (!cache->AddSequence(2).ok()) return 1;
+    for (size_t at = 0; at < p.size(); at += 512) {
+      const size_t n = std::min<size_t>(512, p.size() - at);
+      const worker::SequenceTokens entry{2, std::span<const int32_t>(p).subspan(at, n)};
+      if (absl::Status s = (*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*cache, &logits);
+          !s.ok()) {
+        std::fprintf(stderr, "context: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
+    int32_t next = ArgMax(logits);
+    std::vector<double> times;
+    for (int i = 0; i < decode; ++i) {
+      const worker::SequenceTokens entry{2, {&next, 1}};
+      const auto t0 = Clock::now();
+      if (!(*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*cache, &logits).ok()) return 1;
+      times.push_back(Seconds(t0, Clock::now()));
+      next = ArgMax(logits);
+    }
+    std::sort(times.begin(), times.end());
+    const double rate = 1.0 / times[times.size() / 2];
+    if (first == 0.0) first = rate;
+    std::printf("| %lld | %.2f | %.3f |\n", static_cast<long long>(context), rate, rate / first);
+    (void)cache->RemoveSequence(2);
+  }
+  if (temp) std::filesystem::remove_all(work);
+  return 0;
+}
+
+}  // namespace
+}  // namespace exl3serve
+
+int main(int argc, char** argv) { return exl3serve::Main(argc, argv); }
