@@ -138,6 +138,10 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
   app.add_option("--step-token-budget", args->engine.step_token_budget,
                  "new tokens per forward at most (decode rows + chunked prefill)")
       ->capture_default_str();
+  app.add_option("--max-state-sequences", args->engine.max_state_sequences,
+                 "models with a recurrent state per sequence (Qwen3-Next, Qwen3.5): sequences "
+                 "holding one at a time at most, more wait (0 = --max-running)")
+      ->capture_default_str();
   app.add_option("--max-running", args->engine.max_running, "sequences decoded together at most")
       ->capture_default_str();
   app.add_flag("--no-prefix-cache{false}", args->engine.enable_prefix_caching,

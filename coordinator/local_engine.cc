@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "coordinator/tokenizer/chat_template.h"
 #include "common/json_depth.h"
 #include "common/logging.h"
@@ -98,6 +99,13 @@ std::vector<v1::RankInfo> LocalRankInfos(const std::vector<worker::rank::LocalRa
   return ranks;
 }
 
+// The running limit: max_running, and for a model with a recurrent state
+// per sequence also max_state_sequences.
+int64_t MaxRunning(const EngineOptions& options, const sharding::ModelArch& arch) {
+  if (!arch.has_recurrent_state() || options.max_state_sequences <= 0) return options.max_running;
+  return std::min(options.max_running, options.max_state_sequences);
+}
+
 }  // namespace
 
 LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
@@ -118,7 +126,7 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
       executor_(std::move(executor)),
       scheduler_(SchedulerOptions{.page_size_tokens = options.kv.page_size_tokens,
                                   .num_blocks = options.kv.num_pages,
-                                  .max_running = options.max_running,
+                                  .max_running = MaxRunning(options, facts_.arch),
                                   .step_token_budget = options.step_token_budget,
                                   .max_waiting = 0,  // the queue limit is Submit's
                                   // A recurrent state cannot resume from a
@@ -136,6 +144,15 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
       drafting_(options.speculative == SpeculativeMethod::kNgram ||
                 (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr)),
       draft_model_(std::move(draft_model)) {
+  if (facts_.arch.has_recurrent_state()) {
+    const int64_t bytes = facts_.arch.recurrent_state_bytes_per_sequence();
+    const int64_t most = MaxRunning(options, facts_.arch);
+    EXL3_LOG(kInfo) << facts_.arch.architecture << ": recurrent state "
+                    << absl::StrFormat("%.2f MiB", bytes / 1048576.0)
+                    << " per sequence over the ranks; at most " << most
+                    << " sequences hold one (" << absl::StrFormat("%.2f GiB", most * bytes / 1073741824.0)
+                    << "; --max-state-sequences / --max-running)";
+  }
   if (facts_.arch.has_recurrent_state() && options.enable_prefix_caching) {
     EXL3_LOG(kWarning) << facts_.arch.architecture
                        << " keeps a recurrent state per sequence: prefix caching is off for it "
@@ -588,6 +605,12 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_spec_decode_num_accepted_tokens(stat_spec_accepted_tokens_);
   info.set_structured_output_masks(stat_constraint_masks_);
   info.set_structured_output_mask_seconds_total(stat_constraint_mask_seconds_);
+  if (facts_.arch.has_recurrent_state()) {
+    info.set_recurrent_state_bytes_per_sequence(
+        static_cast<uint64_t>(facts_.arch.recurrent_state_bytes_per_sequence()));
+    info.set_recurrent_state_sequences(static_cast<uint32_t>(stat_running_));
+    info.set_recurrent_state_sequences_max(static_cast<uint32_t>(MaxRunning(options_, facts_.arch)));
+  }
   return info;
 }
 
@@ -1307,6 +1330,7 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
   }
   if (options.kv.num_pages < 1) return Invalid("kv.num_pages", "must be >= 1");
   if (options.max_running < 1) return Invalid("max_running", "must be >= 1");
+  if (options.max_state_sequences < 0) return Invalid("max_state_sequences", "must be >= 0");
   if (options.step_token_budget < 1) return Invalid("step_token_budget", "must be >= 1");
   if (options.max_queue < 1) return Invalid("max_queue", "must be >= 1");
   if (options.default_max_tokens < 1) return Invalid("default_max_tokens", "must be >= 1");

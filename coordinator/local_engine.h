@@ -132,6 +132,11 @@ struct EngineOptions {
 
   // --- Performance ---
   int64_t max_running = 64;         // sequences per decode step
+  // Models with a recurrent state per sequence (sharding::ModelArch::
+  // has_recurrent_state): the most sequences holding one at a time (every
+  // running sequence holds its own, recurrent_state_bytes_per_sequence over
+  // the ranks); more wait in the queue. 0 = max_running.
+  int64_t max_state_sequences = 0;
   int64_t step_token_budget = 512;  // new tokens per forward (chunked prefill)
   // Speculative decoding: each decoding sequence proposes up to
   // draft_tokens tokens per step (its window adapts to its acceptance,

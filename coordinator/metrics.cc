@@ -93,6 +93,17 @@ struct CoordinatorMetrics::Impl {
                      .Help("KV-cache usage. 1 means 100 percent usage.")
                      .Register(registry)
                      .Add(model)),
+        state_bytes(prometheus::BuildGauge()
+                        .Name("exl3serve:recurrent_state_bytes_per_sequence")
+                        .Help("Bytes of recurrent state one sequence holds over all ranks "
+                              "(Gated DeltaNet hybrids; 0: KV only).")
+                        .Register(registry)
+                        .Add(model)),
+        state_sequences(prometheus::BuildGauge()
+                            .Name("exl3serve:recurrent_state_sequences")
+                            .Help("Sequences holding a recurrent state now.")
+                            .Register(registry)
+                            .Add(model)),
         cache_config(prometheus::BuildGauge()
                          .Name("exl3serve:cache_config_info")
                          .Help("Information of the KV cache configuration (value 1).")
@@ -282,7 +293,7 @@ struct CoordinatorMetrics::Impl {
 
   const CoordinatorMetricsOptions options;
   const std::map<std::string, std::string> model;
-  Gauge &running, &waiting, &kv_usage;
+  Gauge &running, &waiting, &kv_usage, &state_bytes, &state_sequences;
   prometheus::Family<Gauge>& cache_config;
   prometheus::Family<Gauge>& rank_up;
   prometheus::Family<Gauge>& heartbeat_age;
@@ -333,6 +344,8 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
   m.running.Set(info.num_requests_running());
   m.waiting.Set(info.num_requests_waiting());
   m.kv_usage.Set(info.kv_cache_usage_perc());
+  m.state_bytes.Set(static_cast<double>(info.recurrent_state_bytes_per_sequence()));
+  m.state_sequences.Set(info.recurrent_state_sequences());
   {
     absl::MutexLock lock(&m.mu);
     CatchUp(m.preemptions, info.num_preemptions(), &m.preemptions_seen);

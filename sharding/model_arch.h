@@ -153,6 +153,17 @@ struct ModelArch {
     }
     return false;
   }
+  // Bytes of that state per sequence over all ranks: per Gated DeltaNet layer
+  // the last K−1 conv inputs and one [dk][dv] matrix per value head, fp32.
+  int64_t recurrent_state_bytes_per_sequence() const {
+    int64_t bytes = 0;
+    for (const LayerRecipe& l : layers) {
+      if (l.mixer != TokenMixerKind::kGatedDeltaNet) continue;
+      bytes += 4 * ((gdn_conv_kernel - 1) * gdn_conv_dim() +
+                    gdn_value_heads * gdn_key_dim * gdn_value_dim);
+    }
+    return bytes;
+  }
   std::vector<bool> layer_is_moe;       // per layer: layers[l].feed_forward is MoE
   std::vector<LinearSpec> linears;      // layer order, head last
 

@@ -172,6 +172,14 @@ panel("Structured output: share of step time", [
 ], "percentunit", 12, 88, w=12,
       description="The scheduler thread computes masks before each step; this is their share of the "
                   "engine's step time.")
+panel("Recurrent state (Gated DeltaNet hybrids)", [
+    ("max(exl3serve:recurrent_state_bytes_per_sequence{%s}) * max(exl3serve:recurrent_state_sequences{%s})"
+     % (SEL, SEL), "bytes held over the ranks"),
+    ("max(exl3serve:recurrent_state_bytes_per_sequence{%s})" % SEL, "bytes per sequence"),
+], "bytes", 0, 96, w=12,
+      description="Models with a recurrent state per sequence (Qwen3-Next, Qwen3.5): every running "
+                  "sequence holds one on the ranks besides its KV pages; serve --max-state-sequences "
+                  "caps how many. Zero for KV-only models.")
 
 dashboard = {
     "title": "exl3serve",

@@ -43,7 +43,7 @@ rc=$?
   fail "missing tokenizer: rc $rc, $(cat "$WORK/err.txt")"
 "$BIN" make-demo-model --arch mixtral --out "$WORK/none" --tokenizer-dir "$TOK" 2>"$WORK/err.txt"
 rc=$?
-[ $rc = 1 ] && grep -q "llama, qwen3, qwen3-moe, glm4-moe or deepseek-v3" "$WORK/err.txt" || fail "bad arch: rc $rc, $(cat "$WORK/err.txt")"
+[ $rc = 1 ] && grep -q "llama, qwen3, qwen3-moe, glm4-moe, deepseek-v3, qwen3-next, qwen3.5 or qwen3.5-moe" "$WORK/err.txt" || fail "bad arch: rc $rc, $(cat "$WORK/err.txt")"
 "$BIN" make-demo-model --arch llama --no-tokenizer --out "$WORK/ids-only" --hidden 128 >/dev/null ||
   fail "--no-tokenizer"
 [ ! -e "$WORK/ids-only/tokenizer.json" ] || fail "--no-tokenizer wrote a tokenizer.json"

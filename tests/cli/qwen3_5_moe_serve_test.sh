@@ -10,8 +10,11 @@
 #   * `serve --tp 2 --http-port 0` (one key head and its 3 value heads per
 #     rank, the experts 4/4): the same ids alone and batched through gRPC, and
 #     /v1/completions answers with the TP 1 ids (and text with the tokenizer);
+#     kill -9 of a rank mid-generation: every stream replayed to its
+#     uninterrupted ids;
 #   * GetServerInfo reports prefix caching off (a recurrent state cannot resume
-#     from a cached prefix yet) and the serve log says so;
+#     from a cached prefix yet) and the serve log says so, and the state bytes
+#     per sequence that config.json implies;
 #   * n-gram drafting at TP 2 on the random-logits test model: drafted ==
 #     undrafted, alone and batched, with rejected drafts rolled back.
 # Needs /usr/bin/python3 with grpcio and the stubs in $EXL3_BUILD_DIR/python
@@ -36,12 +39,24 @@ py refs --out "$WORK/tp1.json" --streams $STREAMS --max-tokens $TOKENS || fail "
 py streams --refs "$WORK/tp1.json" --kill-pid 0 --expect same || fail "tp1: batched != alone"
 grep -q "keeps a recurrent state per sequence: prefix caching" "$LOG" || fail "no log line about prefix caching"
 "$BIN" client --addr "$ADDR" --info >"$WORK/info.json" 2>"$WORK/info.err" || fail "server info"
-/usr/bin/python3 - "$WORK/info.json" <<'PY' || fail "server info says prefix caching is on: $(cat "$WORK/info.json")"
+/usr/bin/python3 - "$WORK/info.json" "$WORK/hybrid/config.json" <<'PY' || fail "server info: $(cat "$WORK/info.json")"
 import json, sys
 info = json.load(open(sys.argv[1]))
 flat = json.dumps(info)
 assert '"prefixCacheEnabled": true' not in flat and '"prefix_cache_enabled": true' not in flat, flat[:400]
 print("GetServerInfo: prefix caching off")
+# The recurrent state per sequence, computed here from config.json: per
+# linear-attention layer (K-1) conv inputs of 2*Hk*dk + Hv*dv channels and
+# Hv matrices of dk x dv, fp32.
+t = json.load(open(sys.argv[2]))["text_config"]
+conv = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"] + t["linear_num_value_heads"] * t["linear_value_head_dim"]
+per_layer = 4 * ((t["linear_conv_kernel_dim"] - 1) * conv +
+                 t["linear_num_value_heads"] * t["linear_key_head_dim"] * t["linear_value_head_dim"])
+want = per_layer * t["layer_types"].count("linear_attention")
+server = info.get("server", info)
+got = int(server.get("recurrent_state_bytes_per_sequence", 0))
+assert got == want, (got, want)
+print(f"GetServerInfo: recurrent state {got} bytes per sequence (= config.json's {want})")
 PY
 serve_stop || fail "serve --tp 1 exited non-zero"
 
@@ -64,6 +79,14 @@ ids = out["choices"][0]["token_ids"]
 assert ids == ref["ids"], (ids, ref["ids"])
 print(f"OpenAI /v1/completions at tp 2: the tp 1 ids ({len(ids)} tokens): {out['choices'][0]['text']!r}")
 PY
+# kill -9 a rank mid-generation: the group re-forms and every stream is
+# replayed (prefilled again: each sequence's recurrent state is recomputed
+# from its tokens) to exactly its uninterrupted tokens.
+RANKS=$(pgrep -P "$SERVER_PID" -f worker | tr '\n' ' ')
+[ "$(echo $RANKS | wc -w)" = 2 ] || fail "want 2 worker children of serve, found [$RANKS]"
+VICTIM=$(echo $RANKS | awk '{print $2}')
+py streams --refs "$WORK/tp1.json" --kill-pid "$VICTIM" --expect same || fail "replay after kill -9 != uninterrupted"
+py info --ready 1 --min-replays 1 || fail "GetServerInfo after the replay"
 serve_stop || fail "serve --tp 2 exited non-zero"
 
 # Exact drafting: the random-logits test model with prompts that repeat a

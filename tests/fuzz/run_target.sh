@@ -155,7 +155,8 @@ PY
       { echo "run_target.sh: needs a build (generated protobuf code, build/cli/exl3serve)" >&2; exit 2; }
     # Most of a rank: compiled once into objects (cached in $out/obj), the
     # fuzzer linked from them.
-    sources=($(ls "$src"/worker/model/*.cc | grep -v /calibration.cc) "$src"/worker/api/*.cc
+    sources=($(ls "$src"/worker/model/*.cc | grep -v /calibration.cc) "$src"/worker/model/modules/*.cc
+             "$src"/worker/api/*.cc
              "$src"/worker/rank/{rank_executor,capacities,step_command}.cc
              "$src"/worker/comm/{comm_factory,communicator,gpu_backend_choice,gpu_rank_info,hierarchical_communicator,host_staged_communicator,reduce_sum,reduce_sum_avx2,reduce_sum_avx512,shm_communicator,tcp_bootstrap,timed_communicator,ucx_communicator}.cc
              "$src"/kernels/*.cc "$src"/kernels/cpu/*.cc

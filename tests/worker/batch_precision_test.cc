@@ -8,6 +8,7 @@
 // model (experts get rows of both kinds through their gathered rows), with
 // fp32 and bf16 prefill. Before row plans, any step of 17+ rows ran every
 // row at the prefill precision, so these comparisons failed.
+#include <filesystem>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -37,17 +38,20 @@ constexpr int64_t kChunks = 3;
 // test shape: each sequence's recurrent state is its own), prefill precision).
 class BatchPrecisionTest : public ::testing::TestWithParam<std::tuple<std::string, Precision>> {
  public:
-  static void SetUpTestSuite() {
-    dir_ = new exl3serve::testing::ScratchDir();
-    for (const char* arch : {"llama", "qwen3-moe", "qwen3.5-moe"}) {
+  static void SetUpTestSuite() { dir_ = new exl3serve::testing::ScratchDir(); }
+  // The EXL3 model of `arch`, written and converted on first use (ctest runs
+  // each test in its own process: only the model it needs).
+  static void MakeModel(const std::string& arch) {
+    if (std::filesystem::exists(dir_->File(arch) + "/config.json")) return;
+    {
       sharding::TestModelOptions options;
-      if (std::string(arch) == "qwen3.5-moe") options = sharding::Qwen3NextTestDefaults(arch);
+      if (arch == "qwen3.5-moe") options = sharding::Qwen3NextTestDefaults(arch);
       options.arch = arch;
       options.seed = 31;
       options.hidden_size = 128;
       options.intermediate_size = 192;  // padded to 256: padded linears
       options.vocab_size = 300;
-      const std::string hf = dir_->File(std::string(arch) + "-hf");
+      const std::string hf = dir_->File(arch + "-hf");
       ASSERT_TRUE(sharding::WriteTestModel(hf, options).ok());
       sharding::ConvertOptions convert;  // mul1 (int8-capable), 4 bpw
       convert.in_dir = hf;
@@ -64,6 +68,7 @@ class BatchPrecisionTest : public ::testing::TestWithParam<std::tuple<std::strin
     dir_ = nullptr;
   }
   void SetUp() override {
+    MakeModel(std::get<0>(GetParam()));
     auto loaded = Transformer::Load(dir_->File(std::get<0>(GetParam())));
     ASSERT_TRUE(loaded.ok()) << loaded.status();
     model_ = std::move(*loaded);

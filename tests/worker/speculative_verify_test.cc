@@ -11,6 +11,7 @@
 // after the last accepted token (PagedKvCache::RollbackWithState). Also the
 // argument checks.
 #include <algorithm>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -34,26 +35,34 @@ namespace {
 // "hybrid-bf16" / "hybrid-exl3-int8": the qwen3.5-moe test model likewise.
 class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
  public:
-  static void SetUpTestSuite() {
-    dir_ = new exl3serve::testing::ScratchDir();
-    sharding::TestModelOptions options;  // llama, vocab 1000: random weights
-    options.seed = 5;
-    options.hidden_size = 128;
-    options.intermediate_size = 192;
-    ASSERT_TRUE(sharding::WriteTestModel(dir_->File("bf16"), options).ok());
-    sharding::ConvertOptions convert;
-    convert.in_dir = dir_->File("bf16");
-    convert.out_dir = dir_->File("exl3");
-    convert.bits = 4.0;
-    convert.threads = 2;
-    convert.show_progress = false;
-    ASSERT_TRUE(sharding::ConvertModel(convert).ok());
-    sharding::TestModelOptions hybrid = sharding::Qwen3NextTestDefaults("qwen3.5-moe");
-    hybrid.seed = 5;
-    ASSERT_TRUE(sharding::WriteTestModel(dir_->File("hybrid-bf16"), hybrid).ok());
-    convert.in_dir = dir_->File("hybrid-bf16");
-    convert.out_dir = dir_->File("hybrid-exl3");
-    ASSERT_TRUE(sharding::ConvertModel(convert).ok());
+  static void SetUpTestSuite() { dir_ = new exl3serve::testing::ScratchDir(); }
+  // The model of GetParam(), written (and converted) on first use: ctest
+  // runs each test in its own process, so only the model it needs.
+  static void MakeModel(const std::string& param) {
+    const bool hybrid = param.rfind("hybrid", 0) == 0;
+    const std::string bf16 = hybrid ? "hybrid-bf16" : "bf16";
+    const std::string exl3 = hybrid ? "hybrid-exl3" : "exl3";
+    if (!std::filesystem::exists(dir_->File(bf16) + "/config.json")) {
+      sharding::TestModelOptions options;  // llama, vocab 1000: random weights
+      options.seed = 5;
+      options.hidden_size = 128;
+      options.intermediate_size = 192;
+      if (hybrid) {
+        options = sharding::Qwen3NextTestDefaults("qwen3.5-moe");
+        options.seed = 5;
+      }
+      ASSERT_TRUE(sharding::WriteTestModel(dir_->File(bf16), options).ok());
+    }
+    if (param.find("exl3") != std::string::npos &&
+        !std::filesystem::exists(dir_->File(exl3) + "/config.json")) {
+      sharding::ConvertOptions convert;
+      convert.in_dir = dir_->File(bf16);
+      convert.out_dir = dir_->File(exl3);
+      convert.bits = 4.0;
+      convert.threads = 2;
+      convert.show_progress = false;
+      ASSERT_TRUE(sharding::ConvertModel(convert).ok());
+    }
   }
   static void TearDownTestSuite() {
     delete dir_;
@@ -61,6 +70,7 @@ class SpeculativeVerifyTest : public ::testing::TestWithParam<std::string> {
   }
   void SetUp() override {
     const std::string& p = GetParam();
+    MakeModel(p);
     auto loaded = Transformer::Load(dir_->File(p == "exl3-int8"          ? "exl3"
                                                : p == "hybrid-exl3-int8" ? "hybrid-exl3"
                                                                          : p));
