@@ -1415,6 +1415,14 @@ absl::StatusOr<std::unique_ptr<DraftModel>> LoadDraftModel(const EngineOptions& 
   local.prefill_precision = options.prefill_precision;
   local.decode_precision = options.decode_precision;
   EXL3_ASSIGN_OR_RETURN(worker::rank::LocalExecutor built, worker::rank::CreateLocalExecutor(local));
+  if (built.facts.arch.has_recurrent_state()) {
+    // The draft model rolls its own rejected tokens back (TruncateSequence),
+    // which a recurrent state cannot do.
+    return Invalid("draft_model_dir",
+                   absl::StrCat(options.draft_model_dir, " (", built.facts.arch.architecture,
+                                ") keeps a recurrent state per sequence and cannot roll back "
+                                "rejected drafts; use a model with attention only as the draft"));
+  }
   const int64_t target_vocab = target.facts.arch.vocab_size;
   if (built.executor->vocab_size() != target_vocab) {
     return Invalid("draft_model_dir",

@@ -618,6 +618,12 @@ std::string ShardPlan::Describe() const {
     columns.push_back({"q heads", true, {}});
     columns.push_back({"kv heads", true, {}});
   }
+  // Gated DeltaNet layers (hybrids): key heads, each with its value heads.
+  bool linear_attention = false;
+  for (const RankShard& rank : ranks) {
+    linear_attention |= num_layers > 0 && !rank.layers[0].linear_key_heads.empty();
+  }
+  if (linear_attention) columns.push_back({"linear k heads", true, {}});
   if (first_dense >= 0) columns.push_back({"mlp channels", true, {}});
   if (first_moe >= 0) {
     columns.push_back({"experts", true, {}});
@@ -646,6 +652,7 @@ std::string ShardPlan::Describe() const {
       row.push_back(RangeText(a.q_heads) + (a.o_bias ? "*" : ""));
       row.push_back(RangeText(a.kv_heads));
     }
+    if (linear_attention) row.push_back(RangeText(rank.layers[0].linear_key_heads));
     if (first_dense >= 0) {
       const LayerShard& d = rank.layers[first_dense];
       row.push_back(RangeText(d.mlp_channels) + (d.down_bias ? "*" : ""));

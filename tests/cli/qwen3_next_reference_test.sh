@@ -19,6 +19,7 @@
 #     the float64 reference of the bf16 weights;
 #   * TP 2, TP 3, EP 2 and TP 2 x EP 2 give the TP 1 greedy ids, unquantized
 #     and EXL3;
+#   * `plan` splits the linear-attention layers by key heads;
 #   * bad configs are clear errors naming the field.
 # Needs /usr/bin/python3 with NumPy (else exit 77 = skip).
 set -euo pipefail
@@ -156,6 +157,19 @@ import numpy as np
 a, b = np.load(sys.argv[1]), np.load(sys.argv[2])
 assert a.shape == b.shape and np.array_equal(a, b), f"fused vs split: max |diff| {np.abs(a - b).max()}"
 print(f"fused (Qwen3-Next) vs split (Qwen3.5) layout of the same weights: {a.shape[0]} steps of logits bit-identical")
+PYEOF
+
+# The plan splits the linear-attention layers by key heads (one each at 2 ranks).
+"$BIN" plan --model "$TMP/qwen3-next" --ranks 2 >"$TMP/plan.txt" 2>&1 || { echo "FAIL: plan"; cat "$TMP/plan.txt"; exit 1; }
+"$PY" - "$TMP/plan.txt" <<'PYEOF'
+import sys
+lines = open(sys.argv[1]).read().splitlines()
+header = next(l for l in lines if l.startswith("rank "))
+col = header.index("linear k heads")
+rows = [l for l in lines if l[:4].strip().isdigit()]
+got = [r[col:col + 14].split()[0] for r in rows]
+assert got == ["[0,1)", "[1,2)"], got
+print(f"plan --ranks 2: linear-attention key heads {got}")
 PYEOF
 
 # Tensor and expert parallelism: the TP 1 greedy ids.
