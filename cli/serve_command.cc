@@ -142,6 +142,14 @@ CommandRunner RegisterServeCommand(CLI::App& app) {
                  "models with a recurrent state per sequence (Qwen3-Next, Qwen3.5): sequences "
                  "holding one at a time at most, more wait (0 = --max-running)")
       ->capture_default_str();
+  app.add_option("--state-snapshots", args->engine.state_snapshots,
+                 "models with a recurrent state: snapshots of it at block boundaries that the "
+                 "prefix cache keeps (each the state bytes of one sequence; 0 = no prefix hits)")
+      ->capture_default_str();
+  app.add_option("--state-snapshot-interval", args->engine.state_snapshot_interval,
+                 "... taken at each prompt's last full block and every this many blocks (0 = "
+                 "only there)")
+      ->capture_default_str();
   app.add_option("--max-running", args->engine.max_running, "sequences decoded together at most")
       ->capture_default_str();
   app.add_flag("--no-prefix-cache{false}", args->engine.enable_prefix_caching,

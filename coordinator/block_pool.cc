@@ -119,18 +119,18 @@ void BlockPool::ForgetCached() {
   evicted_.clear();
 }
 
-DiskBlockIndex::DiskBlockIndex(int64_t slots) {
+BlockSlotIndex::BlockSlotIndex(int64_t slots) {
   EXL3_CHECK(slots >= 0);
   slots_.resize(static_cast<size_t>(slots));
   Clear();
 }
 
-int64_t DiskBlockIndex::Find(const BlockHash& hash) const {
+int64_t BlockSlotIndex::Find(const BlockHash& hash) const {
   auto it = by_hash_.find(hash);
   return it == by_hash_.end() ? -1 : it->second;
 }
 
-int64_t DiskBlockIndex::Place(const BlockHash& hash) {
+int64_t BlockSlotIndex::Place(const BlockHash& hash) {
   int64_t slot = -1;
   if (!free_.empty()) {
     slot = free_.back();
@@ -157,14 +157,14 @@ int64_t DiskBlockIndex::Place(const BlockHash& hash) {
   return slot;
 }
 
-void DiskBlockIndex::Touch(int64_t slot) {
+void BlockSlotIndex::Touch(int64_t slot) {
   Slot& s = slots_[slot];
   if (!s.used) return;
   lru_.erase(s.lru);
   s.lru = lru_.insert(lru_.end(), slot);
 }
 
-void DiskBlockIndex::Forget(const BlockHash& hash) {
+void BlockSlotIndex::Forget(const BlockHash& hash) {
   auto it = by_hash_.find(hash);
   if (it == by_hash_.end()) return;
   Slot& s = slots_[it->second];
@@ -174,7 +174,7 @@ void DiskBlockIndex::Forget(const BlockHash& hash) {
   by_hash_.erase(it);
 }
 
-void DiskBlockIndex::Clear() {
+void BlockSlotIndex::Clear() {
   lru_.clear();
   by_hash_.clear();
   free_.clear();

@@ -121,15 +121,18 @@ class BlockPool {
   std::vector<std::pair<int32_t, BlockHash>> evicted_;
 };
 
-// The coordinator's index of the disk tier (every rank's file has the same
-// slots; worker/model/kv_disk_tier.h): which block hash each slot holds, the
-// slots' LRU order, and slots pinned while a load from them is in flight.
+// The coordinator's index of slots that hold something per block hash on
+// every rank, placed by the coordinator: the disk tier (every rank's file has
+// the same slots; worker/model/kv_disk_tier.h) and the recurrent-state
+// snapshots (worker/model/kv_cache.h SaveStateSnapshot). Which block hash
+// each slot holds, the slots' LRU order, and slots pinned while a load from
+// them is in flight.
 // The ranks verify every load, so this index may be wrong (a dropped save,
 // a corrupted file) without ever giving wrong output: a failed load is
 // Forget()-ten.
-class DiskBlockIndex {
+class BlockSlotIndex {
  public:
-  explicit DiskBlockIndex(int64_t slots);  // 0 = no disk tier
+  explicit BlockSlotIndex(int64_t slots);  // 0 = no disk tier
   int64_t slots() const { return static_cast<int64_t>(slots_.size()); }
   bool enabled() const { return !slots_.empty(); }
   // The slot holding `hash`, or -1.

@@ -129,18 +129,23 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                                   .max_running = MaxRunning(options, facts_.arch),
                                   .step_token_budget = options.step_token_budget,
                                   .max_waiting = 0,  // the queue limit is Submit's
-                                  // A recurrent state cannot resume from a
-                                  // cached prefix yet (worker/model/kv_cache.h).
                                   .enable_prefix_caching =
                                       options.enable_prefix_caching &&
-                                      ExecutorFollowsBlockTables(*executor_) &&
-                                      !facts_.arch.has_recurrent_state(),
+                                      ExecutorFollowsBlockTables(*executor_),
                                   .prefix_cache_salt = PrefixCacheSalt(options),
                                   .disk_blocks = options.kv_disk_blocks,
                                   .draft_token_budget =
                                       options.speculative == SpeculativeMethod::kNone
                                           ? 0
-                                          : options.draft_token_budget}),
+                                          : options.draft_token_budget,
+                                  .recurrent_state = facts_.arch.has_recurrent_state(),
+                                  // One per cached block at most (the
+                                  // ranks' bound, PagedKvCache).
+                                  .state_snapshot_slots =
+                                      std::min(options.state_snapshots, options.kv.num_pages),
+                                  .state_snapshot_interval_blocks =
+                                      options.state_snapshot_interval}),
+      prefix_cache_on_(scheduler_.options().enable_prefix_caching),
       drafting_(options.speculative == SpeculativeMethod::kNgram ||
                 (options.speculative == SpeculativeMethod::kDraftModel && draft_model != nullptr)),
       draft_model_(std::move(draft_model)) {
@@ -153,10 +158,14 @@ LocalEngine::LocalEngine(const EngineOptions& options, EngineModel model,
                     << " sequences hold one (" << absl::StrFormat("%.2f GiB", most * bytes / 1073741824.0)
                     << "; --max-state-sequences / --max-running)";
   }
-  if (facts_.arch.has_recurrent_state() && options.enable_prefix_caching) {
-    EXL3_LOG(kWarning) << facts_.arch.architecture
-                       << " keeps a recurrent state per sequence: prefix caching is off for it "
-                          "(state snapshots at block boundaries are not built yet)";
+  if (facts_.arch.has_recurrent_state() && scheduler_.options().enable_prefix_caching) {
+    const int64_t bytes = facts_.arch.recurrent_state_bytes_per_sequence();
+    EXL3_LOG(kInfo) << "prefix cache with state snapshots: " << scheduler_.options().state_snapshot_slots
+                    << " at most ("
+                    << absl::StrFormat("%.2f GiB", scheduler_.options().state_snapshot_slots * bytes / 1073741824.0)
+                    << " over the ranks), at each prompt's last full block and every "
+                    << options.state_snapshot_interval
+                    << " blocks (--state-snapshots / --state-snapshot-interval)";
   }
   if (options.speculative == SpeculativeMethod::kDraftModel && draft_model_ == nullptr) {
     EXL3_LOG(kError) << "--speculative draft without a draft model: decoding without drafts";
@@ -580,7 +589,7 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
   info.set_expert_parallel_size(static_cast<uint32_t>(std::max(1, options_.expert_parallel)));
   info.set_num_preemptions(stat_preemptions_);
   info.set_num_replays(stat_replays_);
-  info.set_prefix_cache_enabled(options_.enable_prefix_caching && !facts_.arch.has_recurrent_state());
+  info.set_prefix_cache_enabled(prefix_cache_on_);
   info.set_prefix_cache_queries_tokens(stat_prefix_.queried_tokens);
   info.set_prefix_cache_hits_tokens(stat_prefix_.hit_tokens);
   info.set_prefix_cache_evicted_blocks(stat_prefix_.evicted_blocks);
@@ -610,6 +619,13 @@ v1::GetServerInfoResponse LocalEngine::GetServerInfo() const {
         static_cast<uint64_t>(facts_.arch.recurrent_state_bytes_per_sequence()));
     info.set_recurrent_state_sequences(static_cast<uint32_t>(stat_running_));
     info.set_recurrent_state_sequences_max(static_cast<uint32_t>(MaxRunning(options_, facts_.arch)));
+    if (prefix_cache_on_) {
+      info.set_state_snapshots(static_cast<uint32_t>(stat_prefix_.state_snapshots));
+      info.set_state_snapshots_max(static_cast<uint32_t>(std::min(options_.state_snapshots, options_.kv.num_pages)));
+      info.set_state_snapshot_saves(stat_prefix_.state_snapshot_saves);
+      info.set_state_snapshot_hits(stat_prefix_.state_snapshot_hits);
+      info.set_state_snapshot_evictions(stat_prefix_.state_snapshot_evictions);
+    }
   }
   return info;
 }
@@ -784,10 +800,14 @@ void LocalEngine::Step() {
     Live& live = live_.at(seq_id);
     const std::span<const int32_t> tokens = scheduler_.tokens(seq_id);
     const int64_t cached = scheduler_.cached_at_admission(seq_id);
+    const StateSnapshot state = scheduler_.cached_state(seq_id);
     worker::SequenceSampling sampling{
         .params = live.p.sampling,
         .prompt_len = static_cast<int64_t>(live.p.prompt.size()),
-        .cached_prefix = std::vector<int32_t>(tokens.begin(), tokens.begin() + cached)};
+        .cached_prefix = std::vector<int32_t>(tokens.begin(), tokens.begin() + cached),
+        .cached_state_slot = state.slot,
+        .cached_state_hash_hi = state.hash.hi,
+        .cached_state_hash_lo = state.hash.lo};
     if (absl::Status s = executor_->AddSampledSequence(seq_id, sampling); !s.ok()) {
       return OnExecutorFailure(s);
     }
@@ -885,6 +905,18 @@ void LocalEngine::Step() {
   }
   if (!any_draft) {
     if (absl::Status s = executor_->ForwardSampled(batch, sample, &tokens_); !s.ok()) {
+      return OnExecutorFailure(s);
+    }
+  }
+  if (!out.state_saves.empty()) {
+    // The recurrent state of sequences whose chunk ended at a snapshot block.
+    std::vector<worker::StateSnapshotSave> saves;
+    saves.reserve(out.state_saves.size());
+    for (const StateSnapshot& s : out.state_saves) {
+      saves.push_back({.seq_id = s.seq_id,
+                       .snapshot = {.slot = s.slot, .hash_hi = s.hash.hi, .hash_lo = s.hash.lo}});
+    }
+    if (absl::Status s = executor_->SaveStateSnapshots(saves); !s.ok()) {
       return OnExecutorFailure(s);
     }
   }
@@ -1331,6 +1363,8 @@ absl::StatusOr<EngineModel> LoadEngineModel(EngineOptions* options_ptr) {
   if (options.kv.num_pages < 1) return Invalid("kv.num_pages", "must be >= 1");
   if (options.max_running < 1) return Invalid("max_running", "must be >= 1");
   if (options.max_state_sequences < 0) return Invalid("max_state_sequences", "must be >= 0");
+  if (options.state_snapshots < 0) return Invalid("state_snapshots", "must be >= 0");
+  if (options.state_snapshot_interval < 0) return Invalid("state_snapshot_interval", "must be >= 0");
   if (options.step_token_budget < 1) return Invalid("step_token_budget", "must be >= 1");
   if (options.max_queue < 1) return Invalid("max_queue", "must be >= 1");
   if (options.default_max_tokens < 1) return Invalid("default_max_tokens", "must be >= 1");

@@ -137,6 +137,13 @@ struct EngineOptions {
   // running sequence holds its own, recurrent_state_bytes_per_sequence over
   // the ranks); more wait in the queue. 0 = max_running.
   int64_t max_state_sequences = 0;
+  // ... and with the prefix cache: snapshots of the state at block
+  // boundaries (coordinator/scheduler.h), state_snapshots of them at most
+  // (each recurrent_state_bytes_per_sequence over the ranks; 0 = no prefix
+  // hits for such a model), taken at each prompt's last full block and every
+  // state_snapshot_interval blocks (0 = only there).
+  int64_t state_snapshots = 32;
+  int64_t state_snapshot_interval = 32;
   int64_t step_token_budget = 512;  // new tokens per forward (chunked prefill)
   // Speculative decoding: each decoding sequence proposes up to
   // draft_tokens tokens per step (its window adapts to its acceptance,
@@ -352,6 +359,8 @@ class LocalEngine final : public Engine {
   // --- Scheduler thread only ---
   std::unique_ptr<worker::StepExecutor> executor_;
   Scheduler scheduler_;
+  // Whether the scheduler caches prefixes (constant; read from any thread).
+  const bool prefix_cache_on_;
   absl::flat_hash_map<int64_t, Live> live_;
   std::vector<worker::SampledToken> tokens_;  // the last step's, per batch entry
   std::vector<std::vector<worker::SampledToken>> runs_;  // the same, of a verified step

@@ -104,6 +104,22 @@ struct CoordinatorMetrics::Impl {
                             .Help("Sequences holding a recurrent state now.")
                             .Register(registry)
                             .Add(model)),
+        state_snapshots(prometheus::BuildGauge()
+                            .Name("exl3serve:state_snapshots")
+                            .Help("Recurrent-state snapshots the prefix cache holds now "
+                                  "(each recurrent_state_bytes_per_sequence over the ranks).")
+                            .Register(registry)
+                            .Add(model)),
+        state_snapshot_saves(prometheus::BuildCounter()
+                                 .Name("exl3serve:state_snapshot_saves_total")
+                                 .Help("Recurrent-state snapshots taken at block boundaries.")
+                                 .Register(registry)
+                                 .Add(model)),
+        state_snapshot_hits(prometheus::BuildCounter()
+                                .Name("exl3serve:state_snapshot_hits_total")
+                                .Help("Admissions that resumed from a recurrent-state snapshot.")
+                                .Register(registry)
+                                .Add(model)),
         cache_config(prometheus::BuildGauge()
                          .Name("exl3serve:cache_config_info")
                          .Help("Information of the KV cache configuration (value 1).")
@@ -293,7 +309,8 @@ struct CoordinatorMetrics::Impl {
 
   const CoordinatorMetricsOptions options;
   const std::map<std::string, std::string> model;
-  Gauge &running, &waiting, &kv_usage, &state_bytes, &state_sequences;
+  Gauge &running, &waiting, &kv_usage, &state_bytes, &state_sequences, &state_snapshots;
+  Counter &state_snapshot_saves, &state_snapshot_hits;
   prometheus::Family<Gauge>& cache_config;
   prometheus::Family<Gauge>& rank_up;
   prometheus::Family<Gauge>& heartbeat_age;
@@ -321,6 +338,7 @@ struct CoordinatorMetrics::Impl {
   uint64_t spec_accepted_tokens_seen ABSL_GUARDED_BY(mu) = 0;
   uint64_t constraint_masks_seen ABSL_GUARDED_BY(mu) = 0;
   double constraint_mask_seconds_seen ABSL_GUARDED_BY(mu) = 0;
+  uint64_t snapshot_saves_seen ABSL_GUARDED_BY(mu) = 0, snapshot_hits_seen ABSL_GUARDED_BY(mu) = 0;
 };
 
 namespace {
@@ -346,8 +364,11 @@ void CoordinatorMetrics::Refresh(const v1::GetServerInfoResponse& info) {
   m.kv_usage.Set(info.kv_cache_usage_perc());
   m.state_bytes.Set(static_cast<double>(info.recurrent_state_bytes_per_sequence()));
   m.state_sequences.Set(info.recurrent_state_sequences());
+  m.state_snapshots.Set(info.state_snapshots());
   {
     absl::MutexLock lock(&m.mu);
+    CatchUp(m.state_snapshot_saves, info.state_snapshot_saves(), &m.snapshot_saves_seen);
+    CatchUp(m.state_snapshot_hits, info.state_snapshot_hits(), &m.snapshot_hits_seen);
     CatchUp(m.preemptions, info.num_preemptions(), &m.preemptions_seen);
     CatchUp(m.prefix_queries, info.prefix_cache_queries_tokens(), &m.prefix_queries_seen);
     CatchUp(m.prefix_hits, info.prefix_cache_hits_tokens(), &m.prefix_hits_seen);

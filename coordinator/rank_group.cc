@@ -979,6 +979,12 @@ absl::Status RemoteRankGroup::AddSampledSequence(int64_t seq_id,
   for (const auto& [id, bias] : p.logit_bias) (*spec->mutable_logit_bias())[id] += bias;
   add->mutable_cached_prefix_ids()->Add(sampling.cached_prefix.begin(),
                                         sampling.cached_prefix.end());
+  if (sampling.cached_state_slot >= 0) {
+    pb::StateSnapshotRef* state = add->mutable_cached_state();
+    state->set_slot(sampling.cached_state_slot);
+    state->set_hash_hi(sampling.cached_state_hash_hi);
+    state->set_hash_lo(sampling.cached_state_hash_lo);
+  }
   return impl_->RunStep(std::move(step), nullptr);
 }
 
@@ -1057,6 +1063,19 @@ absl::Status RemoteRankGroup::SaveKvBlocks(std::span<const worker::KvBlockTransf
   if (impl_->options_.kv_disk_slots <= 0) return StepExecutor::SaveKvBlocks(saves);
   pb::Step step;
   ToProto(saves, step.mutable_save_kv_blocks());
+  return impl_->RunStep(std::move(step), nullptr);
+}
+
+absl::Status RemoteRankGroup::SaveStateSnapshots(
+    std::span<const worker::StateSnapshotSave> saves) {
+  pb::Step step;
+  for (const worker::StateSnapshotSave& s : saves) {
+    pb::StateSnapshotSave* save = step.mutable_save_state_snapshots()->add_saves();
+    save->set_seq_id(s.seq_id);
+    save->mutable_snapshot()->set_slot(s.snapshot.slot);
+    save->mutable_snapshot()->set_hash_hi(s.snapshot.hash_hi);
+    save->mutable_snapshot()->set_hash_lo(s.snapshot.hash_lo);
+  }
   return impl_->RunStep(std::move(step), nullptr);
 }
 

@@ -69,7 +69,7 @@
 namespace exl3serve::coordinator {
 
 // The coordinator's rank protocol version (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kCoordinatorRankProtocolVersion = 6;
+inline constexpr uint32_t kCoordinatorRankProtocolVersion = 7;
 
 // Who may register as a rank (the coordinator<->rank channel's security).
 // cert_file + key_file (PEM) turn TLS on for the rank endpoint; with
@@ -223,6 +223,7 @@ class RemoteRankGroup final : public worker::StepExecutor {
   // their only pages).
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
   absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override;
+  absl::Status SaveStateSnapshots(std::span<const worker::StateSnapshotSave> saves) override;
   absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
                             std::vector<uint8_t>* loaded) override;
   std::optional<worker::KvCacheOptions> kv_options() const override;

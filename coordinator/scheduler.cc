@@ -15,7 +15,10 @@ Scheduler::Scheduler(const SchedulerOptions& options)
       pool_((EXL3_CHECK(options.num_blocks > 0 && options.num_blocks <= INT32_MAX),
              options.num_blocks)),  // block ids travel as int32
       root_hash_(RootBlockHash(options.prefix_cache_salt)),
-      disk_(options.enable_prefix_caching ? options.disk_blocks : 0) {
+      disk_(options.enable_prefix_caching ? options.disk_blocks : 0),
+      snapshots_(options.enable_prefix_caching && options.recurrent_state
+                     ? options.state_snapshot_slots
+                     : 0) {
   EXL3_CHECK(options_.page_size_tokens > 0);
   EXL3_CHECK(options_.max_running > 0);
   EXL3_CHECK(options_.step_token_budget > 0);
@@ -75,6 +78,64 @@ int64_t Scheduler::TakeCachedPrefix(Sequence& seq) {
   return seq.computed;
 }
 
+int64_t Scheduler::DeepestSnapshot(Sequence& seq, int64_t limit) {
+  if (!snapshots_.enabled()) return 0;
+  HashBlocks(seq, limit);
+  int64_t k = limit;
+  for (; k > 0; --k) {
+    const int64_t slot = snapshots_.Find(seq.hashes[k - 1]);
+    if (slot >= 0 && std::find(pending_snapshots_.begin(), pending_snapshots_.end(), slot) ==
+                         pending_snapshots_.end()) {
+      break;
+    }
+  }
+  return k;
+}
+
+int64_t Scheduler::TrimToStateSnapshot(Sequence& seq) {
+  seq.cached_state = {};
+  if (!options_.recurrent_state) return seq.computed;
+  const int64_t page = options_.page_size_tokens;
+  const int64_t keep = DeepestSnapshot(seq, static_cast<int64_t>(seq.blocks.size()));
+  // Blocks past the snapshot go back (newest first, as FreeBlocks does).
+  while (static_cast<int64_t>(seq.blocks.size()) > keep) {
+    pool_.Release(seq.blocks.back());
+    seq.blocks.pop_back();
+  }
+  seq.unsent_cached.resize(static_cast<size_t>(keep));
+  seq.sealed = keep;
+  seq.computed = keep * page;
+  seq.cached_at_admission = seq.computed;
+  if (keep > 0) {
+    const BlockHash& hash = seq.hashes[keep - 1];
+    seq.cached_state.slot = snapshots_.Find(hash);
+    seq.cached_state.hash = hash;
+    snapshots_.Touch(seq.cached_state.slot);
+  }
+  return seq.computed;
+}
+
+bool Scheduler::WantsSnapshot(Sequence& seq, int64_t position) {
+  if (!snapshots_.enabled() || !Caches(seq)) return false;
+  const int64_t page = options_.page_size_tokens;
+  if (position <= 0 || position % page != 0) return false;
+  const int64_t k = position / page;
+  const int64_t interval = options_.state_snapshot_interval_blocks;
+  const bool due = k == (seq.prompt_len - 1) / page || (interval > 0 && k % interval == 0);
+  if (!due) return false;
+  HashBlocks(seq, k);
+  return snapshots_.Find(seq.hashes[k - 1]) < 0;
+}
+
+int64_t Scheduler::ClipToSnapshot(Sequence& seq, int64_t count) {
+  if (!snapshots_.enabled() || !Caches(seq)) return count;
+  const int64_t page = options_.page_size_tokens;
+  for (int64_t k = seq.computed / page + 1; k * page < seq.computed + count; ++k) {
+    if (WantsSnapshot(seq, k * page)) return k * page - seq.computed;
+  }
+  return count;
+}
+
 void Scheduler::ReleasePreloaded(Sequence& seq) {
   for (int32_t b : seq.preloaded) pool_.Release(b);
   seq.preloaded.clear();
@@ -84,7 +145,10 @@ bool Scheduler::StartDiskLoads(int64_t seq_id, Sequence& seq, ScheduleOutput* ou
   if (!disk_.enabled() || !Caches(seq) || seq.disk_tried) return false;
   seq.disk_tried = true;
   const int64_t page = options_.page_size_tokens;
-  const int64_t limit = (static_cast<int64_t>(seq.tokens.size()) - 1) / page;
+  int64_t limit = (static_cast<int64_t>(seq.tokens.size()) - 1) / page;
+  // A recurrent state resumes only where a snapshot is: no block past the
+  // deepest one is worth loading.
+  if (options_.recurrent_state) limit = DeepestSnapshot(seq, limit);
   std::vector<std::pair<int64_t, int64_t>> found;  // (block index, slot)
   for (int64_t k = static_cast<int64_t>(seq.blocks.size()); k < limit; ++k) {
     const int64_t slot = disk_.Find(seq.hashes[k]);
@@ -135,11 +199,16 @@ std::vector<int32_t> Scheduler::blocks_held_for_loads() const {
 
 void Scheduler::SaveEvicted(ScheduleOutput* out) {
   for (const auto& [block, hash] : pool_.TakeEvicted()) {
-    if (!disk_.enabled() || disk_.Find(hash) >= 0) continue;
-    const int64_t slot = disk_.Place(hash);
-    if (slot < 0) continue;  // every slot is being loaded from
-    out->kv_saves.push_back({.block = block, .slot = slot, .hash = hash});
-    ++disk_saves_;
+    int64_t slot = disk_.enabled() ? disk_.Find(hash) : -1;
+    if (disk_.enabled() && slot < 0) {
+      slot = disk_.Place(hash);  // -1: every slot is being loaded from
+      if (slot >= 0) {
+        out->kv_saves.push_back({.block = block, .slot = slot, .hash = hash});
+        ++disk_saves_;
+      }
+    }
+    // A snapshot is worth keeping while its block can come back.
+    if (slot < 0) snapshots_.Forget(hash);
   }
 }
 
@@ -153,6 +222,7 @@ void Scheduler::AbandonDiskState() {
 }
 
 void Scheduler::ForgetCachedBlocks() {
+  snapshots_.Clear();
   AbandonDiskState();
   pool_.ForgetCached();
 }
@@ -174,6 +244,7 @@ absl::Status Scheduler::Add(int64_t seq_id, std::vector<int32_t> prompt, absl::T
         "queue full: ", num_waiting(), " requests wait (max_queue ", options_.max_waiting, ")"));
   }
   Sequence seq;
+  seq.prompt_len = static_cast<int64_t>(prompt.size());
   seq.tokens = std::move(prompt);
   seq.deadline = deadline;
   seq.cacheable = use_prefix_cache;
@@ -252,6 +323,14 @@ int64_t Scheduler::cached_at_admission(int64_t seq_id) const {
   return it->second.cached_at_admission;
 }
 
+StateSnapshot Scheduler::cached_state(int64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  EXL3_CHECK(it != seqs_.end());
+  StateSnapshot s = it->second.cached_state;
+  s.seq_id = seq_id;
+  return s;
+}
+
 int64_t Scheduler::cached_at_first_admission(int64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   EXL3_CHECK(it != seqs_.end());
@@ -267,7 +346,11 @@ PrefixCacheStats Scheduler::prefix_cache_stats() const {
           .disk_hits = disk_hits_,
           .disk_misses = disk_misses_,
           .disk_evictions = disk_.evictions(),
-          .disk_used = disk_.used()};
+          .disk_used = disk_.used(),
+          .state_snapshot_saves = snapshot_saves_,
+          .state_snapshot_hits = snapshot_hits_,
+          .state_snapshot_evictions = snapshots_.evictions(),
+          .state_snapshots = snapshots_.used()};
 }
 
 bool Scheduler::is_running(int64_t seq_id) const {
@@ -337,6 +420,18 @@ void Scheduler::Emit(int64_t seq_id, int64_t count, ScheduleOutput* out) {
   seq.computed += count;
   chunk.needs_logits = seq.computed == static_cast<int64_t>(seq.tokens.size());
   out->batch.push_back(chunk);
+  seq.snapshot_pending = false;
+  if (WantsSnapshot(seq, seq.computed)) {
+    const BlockHash& hash = seq.hashes[seq.computed / options_.page_size_tokens - 1];
+    const int64_t slot = snapshots_.Place(hash);  // -1: every slot is pending
+    if (slot >= 0) {
+      snapshots_.Pin(slot);
+      pending_snapshots_.push_back(slot);
+      out->state_saves.push_back({.seq_id = seq_id, .slot = slot, .hash = hash});
+      seq.snapshot_pending = true;
+      ++snapshot_saves_;
+    }
+  }
 }
 
 void Scheduler::EmitDrafts(int64_t* budget, ScheduleOutput* out) {
@@ -344,7 +439,11 @@ void Scheduler::EmitDrafts(int64_t* budget, ScheduleOutput* out) {
   for (ScheduledChunk& chunk : out->batch) {
     if (left <= 0) break;
     Sequence& seq = seqs_.at(chunk.seq_id);
-    if (seq.proposed_draft.empty() || chunk.tokens.size() != 1 || !chunk.needs_logits) continue;
+    // A chunk ending at a snapshot keeps its state there: no drafts.
+    if (seq.proposed_draft.empty() || chunk.tokens.size() != 1 || !chunk.needs_logits ||
+        seq.snapshot_pending) {
+      continue;
+    }
     // Drafts take free blocks only: they never preempt.
     const int64_t k = std::min({static_cast<int64_t>(seq.proposed_draft.size()), left,
                                 TokensThatFit(seq)});
@@ -373,6 +472,9 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
 
   // A caller that did not report its loads: they failed.
   if (!loads_in_flight_.empty()) KvLoadsDone({});
+  // The previous step's snapshots were taken after its forward.
+  for (int64_t slot : pending_snapshots_) snapshots_.Unpin(slot);
+  pending_snapshots_.clear();
   // 0. The previous batch ran: its full blocks hold known prefixes now.
   for (int64_t id : running_) SealComputedBlocks(seqs_.at(id));
 
@@ -429,7 +531,8 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
       }
     }
     if (self_preempted) continue;
-    const int64_t count = std::min({pending, budget, TokensThatFit(seqs_.at(id))});
+    const int64_t count =
+        ClipToSnapshot(seqs_.at(id), std::min({pending, budget, TokensThatFit(seqs_.at(id))}));
     Emit(id, count, &out);
     in_batch[id] = true;
     budget -= count;
@@ -442,7 +545,7 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
     while (budget > 0 && !waiting_.empty() && num_running() < options_.max_running) {
       const int64_t id = waiting_.front();
       Sequence& seq = seqs_.at(id);
-      const int64_t cached = TakeCachedPrefix(seq);
+      TakeCachedPrefix(seq);
       if (StartDiskLoads(id, seq, &out)) {
         // Admitted at a later step, once its blocks are loaded (KvLoadsDone).
         FreeBlocks(seq);
@@ -450,6 +553,7 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
         seq.cached_at_admission = 0;
         break;
       }
+      const int64_t cached = TrimToStateSnapshot(seq);
       const int64_t fit = TokensThatFit(seq);
       if (fit < 1) {
         FreeBlocks(seq);  // the cached blocks go back to the LRU
@@ -457,12 +561,13 @@ ScheduleOutput Scheduler::Schedule(absl::Time now) {
         seq.cached_at_admission = 0;
         break;
       }
-      const int64_t count =
-          std::min({static_cast<int64_t>(seq.tokens.size()) - cached, budget, fit});
+      const int64_t count = ClipToSnapshot(
+          seq, std::min({static_cast<int64_t>(seq.tokens.size()) - cached, budget, fit}));
       if (Caches(seq)) {
         prefix_queried_tokens_ += seq.tokens.size();
         prefix_hit_tokens_ += cached;
       }
+      if (seq.cached_state.slot >= 0) ++snapshot_hits_;
       if (!seq.cached_at_first_admission) seq.cached_at_first_admission = cached;
       seq.disk_tried = false;
       waiting_.pop_front();
@@ -489,6 +594,7 @@ std::vector<int64_t> Scheduler::Reset() {
   for (const InFlightLoad& load : loads_in_flight_) disk_.Unpin(load.transfer.slot);
   loads_in_flight_.clear();
   disk_.Clear();
+  snapshots_.Clear();
   pool_ = BlockPool(options_.num_blocks);
   return ids;
 }

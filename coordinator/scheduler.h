@@ -55,7 +55,7 @@
 // ForgetCachedBlocks drop every hash (the ranks' caches are gone).
 //
 // The disk tier (SchedulerOptions::disk_blocks > 0; worker/model/kv_disk_tier.h
-// on every rank, DiskBlockIndex here): a cached block that an allocation
+// on every rank, BlockSlotIndex here): a cached block that an allocation
 // evicts is listed in `kv_saves` (page -> slot; the executor saves it before
 // the forward reuses the page). When an admission finds the next blocks of a
 // prompt's prefix on disk (after those in memory), it takes fresh blocks for
@@ -64,6 +64,24 @@
 // KvLoadsDone — a verified block is sealed as if computed, a failed one is
 // a miss (its positions are computed) — and the sequence is admitted at a
 // later step with the loaded blocks in its cached prefix.
+//
+// A model with a recurrent state per sequence (SchedulerOptions::
+// recurrent_state: Gated DeltaNet layers) needs more than blocks to resume
+// from a prefix: the state after it, which is rewritten at every token and
+// cannot be shared by reference. With the prefix cache such a sequence's
+// state is snapshotted at block boundaries — after its last full block
+// before the prompt's last token ((prompt - 1) / page blocks, so that a
+// repeated prompt computes one block at most), and every
+// state_snapshot_interval_blocks blocks (prompt or output) — into slots of
+// every rank's snapshot store, keyed by the block's chained hash (a
+// BlockSlotIndex, LRU over state_snapshot_slots slots). A prefill chunk is
+// cut to end at such a boundary (the ranks snapshot after a forward, not
+// inside one), and a chunk that ends at one takes no drafts (its state
+// after the forward must be the boundary's). `state_saves` lists the
+// snapshots to take after this step's forward. An admission resumes from
+// the deepest block that has both its KV (in memory, or loaded from disk)
+// and a snapshot (cached_state()); a snapshot whose block leaves the memory
+// without a disk copy is forgotten with it.
 //
 // Invariants (checked by the tests after every call):
 //   I1  free_blocks() + |distinct blocks held by running sequences| ==
@@ -158,6 +176,14 @@ struct SchedulerOptions {
   // sequences' decodes and prefill chunks, before admissions. 0: proposals
   // are ignored.
   int64_t draft_token_budget = 0;
+  // The model keeps a recurrent state per sequence (see the top of the
+  // file): a prefix hit also needs a state snapshot, from
+  // state_snapshot_slots slots (0: prefix caching never hits), taken at the
+  // prompt's last full block and every state_snapshot_interval_blocks
+  // blocks (0: only there).
+  bool recurrent_state = false;
+  int64_t state_snapshot_slots = 0;
+  int64_t state_snapshot_interval_blocks = 0;
 };
 
 // Cumulative prefix-cache counters, in tokens (vLLM's prefix_cache_queries /
@@ -174,6 +200,19 @@ struct PrefixCacheStats {
   uint64_t disk_misses = 0;      // loads that failed (missing, dropped, corrupt)
   uint64_t disk_evictions = 0;   // disk slots reused for other blocks
   int64_t disk_used = 0;         // slots holding a block now
+  // Recurrent-state snapshots (a model with state), in snapshots.
+  uint64_t state_snapshot_saves = 0;      // listed in state_saves
+  uint64_t state_snapshot_hits = 0;       // admissions that resumed from one
+  uint64_t state_snapshot_evictions = 0;  // slots reused for other blocks
+  int64_t state_snapshots = 0;            // slots holding one now
+};
+
+// A recurrent-state snapshot to take after the forward (StepExecutor::
+// SaveStateSnapshots), or the one an admission resumes from.
+struct StateSnapshot {
+  int64_t seq_id = 0;
+  int64_t slot = -1;
+  BlockHash hash;  // of the block the snapshot ends
 };
 
 // A block moved between a page and a disk slot (StepExecutor's KvBlockTransfer).
@@ -228,6 +267,9 @@ struct ScheduleOutput {
   // load these slots (and call KvLoadsDone with one flag per load).
   std::vector<BlockTransfer> kv_saves;
   std::vector<BlockTransfer> kv_loads;
+  // Recurrent-state snapshots to take after the forward (each entry's
+  // sequence then ends at a block boundary).
+  std::vector<StateSnapshot> state_saves;
 };
 
 class Scheduler {
@@ -307,6 +349,9 @@ class Scheduler {
   // admission (0 without a hit, or while waiting before its first).
   // Requires: Contains(seq_id).
   int64_t cached_at_admission(int64_t seq_id) const;
+  // The state snapshot the sequence's latest admission resumes from (slot -1:
+  // none). Requires: Contains(seq_id).
+  StateSnapshot cached_state(int64_t seq_id) const;
   // ... at its first admission (what a response reports as cached_tokens).
   int64_t cached_at_first_admission(int64_t seq_id) const;
   PrefixCacheStats prefix_cache_stats() const;
@@ -333,6 +378,9 @@ class Scheduler {
     absl::Time deadline = absl::InfiniteFuture();
     Mark mark = Mark::kNone;
     bool cacheable = true;        // may read and add cached blocks
+    int64_t prompt_len = 0;       // tokens at Add (state snapshots)
+    StateSnapshot cached_state;   // recurrent state: what the admission resumes from
+    bool snapshot_pending = false;  // this step's chunk ends at a snapshot
     std::vector<BlockHash> hashes;  // of its full blocks, in order (lazily)
     int64_t sealed = 0;           // table blocks sealed so far
     int64_t cached_at_admission = 0;
@@ -371,8 +419,20 @@ class Scheduler {
   // The disk tier: starts loads of the blocks after `seq`'s cached prefix
   // that are on disk; true when it did (the sequence waits for them).
   bool StartDiskLoads(int64_t seq_id, Sequence& seq, ScheduleOutput* out);
-  // Lists the blocks the pool evicted as saves.
+  // Lists the blocks the pool evicted as saves (and forgets the state
+  // snapshots of those that leave without a disk copy).
   void SaveEvicted(ScheduleOutput* out);
+  // Recurrent state: keeps only the sequence's cached blocks up to the
+  // deepest one with a state snapshot and records that snapshot; returns the
+  // positions kept. Blocks index (0: none) of the deepest snapshot among the
+  // first `limit` blocks of `seq`.
+  int64_t TrimToStateSnapshot(Sequence& seq);
+  int64_t DeepestSnapshot(Sequence& seq, int64_t limit);
+  // Recurrent state: whether a snapshot is due after the first `position`
+  // tokens of `seq` (a block boundary the rules pick, without a snapshot
+  // yet); `count` cut so that a chunk from seq.computed ends at the first one.
+  bool WantsSnapshot(Sequence& seq, int64_t position);
+  int64_t ClipToSnapshot(Sequence& seq, int64_t count);
   void ReleasePreloaded(Sequence& seq);
   // Drops loads in flight (as failed) and every disk index entry.
   void AbandonDiskState();
@@ -395,13 +455,18 @@ class Scheduler {
   uint64_t prefix_queried_tokens_ = 0;
   uint64_t prefix_hit_tokens_ = 0;
   uint64_t evictions_before_reset_ = 0;
-  DiskBlockIndex disk_;
+  BlockSlotIndex disk_;
   struct InFlightLoad {
     int64_t seq_id = 0;
     BlockTransfer transfer;
   };
   std::vector<InFlightLoad> loads_in_flight_;
   uint64_t disk_saves_ = 0, disk_hits_ = 0, disk_misses_ = 0;
+  BlockSlotIndex snapshots_;
+  // Slots placed for this step's state_saves: pinned, and no admission
+  // resumes from them before the ranks took them (the next Schedule).
+  std::vector<int64_t> pending_snapshots_;
+  uint64_t snapshot_saves_ = 0, snapshot_hits_ = 0;
   uint64_t admissions_ = 0;
   uint64_t num_preemptions_ = 0;
 };

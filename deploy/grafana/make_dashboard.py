@@ -180,6 +180,15 @@ panel("Recurrent state (Gated DeltaNet hybrids)", [
       description="Models with a recurrent state per sequence (Qwen3-Next, Qwen3.5): every running "
                   "sequence holds one on the ranks besides its KV pages; serve --max-state-sequences "
                   "caps how many. Zero for KV-only models.")
+panel("State snapshots (prefix cache of hybrids)", [
+    ("max(exl3serve:state_snapshots{%s})" % SEL, "snapshots held"),
+    ("sum(rate(exl3serve:state_snapshot_saves_total{%s}[%s]))" % (SEL, RATE), "taken / s"),
+    ("sum(rate(exl3serve:state_snapshot_hits_total{%s}[%s]))" % (SEL, RATE), "resumed / s"),
+], "short", 12, 96, w=12,
+      description="The prefix cache of a model with a recurrent state keeps snapshots of the state "
+                  "at block boundaries (each prompt's last full block, every "
+                  "--state-snapshot-interval blocks; at most --state-snapshots); an admission "
+                  "resumes from the deepest one whose blocks are cached.")
 
 dashboard = {
     "title": "exl3serve",

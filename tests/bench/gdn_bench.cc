@@ -13,6 +13,10 @@
 //    and after an 8192-token context, and their ratio (the goal: >= 0.9 —
 //    three layers in four read no context); prefill tokens/s of a 2048-token
 //    prompt; the per-sequence state bytes.
+// 3. The prefix cache with state snapshots on that model: TTFT of a
+//    2048-token prompt computed vs resumed from its snapshot (goal: >= 5x
+//    lower), and the snapshot's cost (us, bytes; per block at the default
+//    interval of 32 blocks).
 //
 //   gdn_bench [--work DIR] [--contexts 256,8192] [--decode 16] [--quick]
 //
@@ -76,6 +80,7 @@ int Main(int argc, char** argv) {
   std::string work;
   std::vector<int64_t> contexts = {256, 8192};
   int decode = 16;
+  bool quick = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&](const char* flag) -> std::string {
@@ -85,6 +90,7 @@ int Main(int argc, char** argv) {
       return "";
     };
     if (a == "--quick") {
+      quick = true;
       contexts = {256, 2048};
       decode = 8;
     } else if (std::string v = value("--work"); !v.empty()) {
@@ -218,6 +224,94 @@ int Main(int argc, char** argv) {
     if (first == 0.0) first = rate;
     std::printf("| %lld | %.2f | %.3f |\n", static_cast<long long>(context), rate, rate / first);
     (void)cache->RemoveSequence(2);
+  }
+  // 3. The prefix cache with state snapshots (coordinator/scheduler.h), on
+  // a cache whose pages the caller places as the coordinator does: a
+  // 2048-token prompt computed (cut at its last full block, 2032, where the
+  // state is snapshotted, then its 16 last tokens) vs the same prompt again,
+  // resumed from the snapshot and its 127 cached blocks (16 tokens computed).
+  // Time to the first token's logits, medians of `rounds`.
+  {
+    worker::KvCacheOptions assigned = kv;
+    assigned.caller_assigns_pages = true;
+    assigned.num_pages = 2048 / 16 + 2;
+    absl::StatusOr<worker::PagedKvCache> pc = (*model)->CreateKvCache(assigned);
+    if (!pc.ok()) return 1;
+    const std::vector<int32_t> p = prompt(2048);
+    std::vector<int32_t> pages(2048 / 16);
+    for (size_t i = 0; i < pages.size(); ++i) pages[i] = static_cast<int32_t>(i);
+    const int32_t tail_page = static_cast<int32_t>(pages.size());
+    const int64_t cut = (2048 - 1) / 16 * 16;
+    const worker::StateSnapshotRef snap{.slot = 0, .hash_hi = 1, .hash_lo = 2};
+    std::vector<double> miss, hit, save, restore;
+    const int rounds = quick ? 2 : 5;
+    int64_t id = 100;
+    for (int r = 0; r < rounds; ++r) {
+      // Miss: the whole prompt.
+      const int64_t a = id++;
+      if (!pc->AddSequence(a).ok() || !pc->AssignPages(a, pages).ok()) return 1;
+      const auto t0 = Clock::now();
+      for (int64_t at = 0; at < cut; at += 512) {
+        const worker::SequenceTokens entry{
+            a, std::span<const int32_t>(p).subspan(at, std::min<int64_t>(512, cut - at))};
+        if (!(*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*pc, &logits).ok()) return 1;
+      }
+      const auto s0 = Clock::now();
+      if (absl::Status s = pc->SaveStateSnapshot(a, snap); !s.ok()) {
+        std::fprintf(stderr, "snapshot: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      const auto s1 = Clock::now();
+      {
+        const worker::SequenceTokens entry{a, std::span<const int32_t>(p).subspan(cut)};
+        if (!(*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*pc, &logits).ok()) return 1;
+      }
+      miss.push_back(Seconds(t0, Clock::now()));
+      save.push_back(Seconds(s0, s1));
+      const int32_t miss_next = ArgMax(logits);
+      (void)pc->RemoveSequence(a);  // its pages keep their content (caller-placed)
+      // Hit: the cached blocks and the snapshot; the last 16 tokens.
+      const int64_t b = id++;
+      const auto t1 = Clock::now();
+      if (absl::Status s = pc->AddSequence(b, cut, snap); !s.ok()) {
+        std::fprintf(stderr, "resume: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+      const auto t2 = Clock::now();
+      std::vector<int32_t> table(pages.begin(), pages.begin() + cut / 16);
+      table.push_back(tail_page);
+      if (!pc->AssignPages(b, table).ok()) return 1;
+      {
+        const worker::SequenceTokens entry{b, std::span<const int32_t>(p).subspan(cut)};
+        if (!(*model)->Forward({&entry, 1}, worker::LogitsRows::kLastToken, &*pc, &logits).ok()) return 1;
+      }
+      hit.push_back(Seconds(t1, Clock::now()));
+      restore.push_back(Seconds(t1, t2));
+      if (ArgMax(logits) != miss_next) {
+        std::fprintf(stderr, "the resumed prompt's next token differs from the computed one\n");
+        return 1;
+      }
+      (void)pc->RemoveSequence(b);
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double bytes = static_cast<double>(pc->state_bytes_per_sequence());
+    std::printf("\nprefix cache with state snapshots, a 2048-token prompt (medians of %d):\n\n",
+                rounds);
+    std::printf("| | time | note |\n|---|---|---|\n");
+    std::printf("| TTFT, miss (computed; cut at 2032 for the snapshot) | %.1f ms | |\n",
+                median(miss) * 1e3);
+    std::printf("| TTFT, hit (snapshot + 127 cached blocks, 16 tokens computed) | %.1f ms | "
+                "%.1fx lower, same next token |\n",
+                median(hit) * 1e3, median(miss) / median(hit));
+    std::printf("| snapshot (save) | %.0f us | %.2f MiB, %.1f GB/s |\n", median(save) * 1e6,
+                bytes / 1048576.0, bytes / median(save) / 1e9);
+    std::printf("| resume (restore into a new sequence) | %.0f us | |\n", median(restore) * 1e6);
+    std::printf("| snapshot per block, every 32 blocks (the default interval) | %.1f us | %.0f bytes "
+                "per block |\n",
+                median(save) * 1e6 / 32.0, bytes / 32.0);
   }
   if (temp) std::filesystem::remove_all(work);
   return 0;

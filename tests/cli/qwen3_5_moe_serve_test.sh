@@ -12,9 +12,12 @@
 #     /v1/completions answers with the TP 1 ids (and text with the tokenizer);
 #     kill -9 of a rank mid-generation: every stream replayed to its
 #     uninterrupted ids;
-#   * GetServerInfo reports prefix caching off (a recurrent state cannot resume
-#     from a cached prefix yet) and the serve log says so, and the state bytes
-#     per sequence that config.json implies;
+#   * the prefix cache with state snapshots, at TP 1 and TP 2: a 40-token
+#     prompt twice — the second resumes from the snapshot after block 2
+#     (cached 32 tokens) and answers the same ids as the first and as a
+#     server without the prefix cache; GetServerInfo reports prefix caching on,
+#     the snapshot taken and the hit, and the state bytes per sequence that
+#     config.json implies;
 #   * n-gram drafting at TP 2 on the random-logits test model: drafted ==
 #     undrafted, alone and batched, with rejected drafts rolled back.
 # Needs /usr/bin/python3 with grpcio and the stubs in $EXL3_BUILD_DIR/python
@@ -34,17 +37,42 @@ tok=(--no-tokenizer)
 "$BIN" make-demo-model --arch qwen3.5-moe "${tok[@]}" --out "$WORK/hybrid" >/dev/null ||
   fail "make-demo-model --arch qwen3.5-moe"
 
+# The same 40-token prompt twice (greedy ids): the first is computed (its
+# prefill cut at position 32 for the snapshot), the second resumes at 32.
+LONG=$(seq -s, 100 139)
+prefix_pair() {  # $1 = label; sets PAIR_IDS, checks cached 0 then 32
+  local a1 a2
+  a1=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 12 --ignore-eos --ids 2>"$WORK/$1.c1.err") &&
+    a2=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 12 --ignore-eos --ids 2>"$WORK/$1.c2.err") ||
+    { cat "$WORK/$1".c?.err; fail "$1: prefix-cache requests"; }
+  [ "$a1" = "$a2" ] || fail "$1: the answer resumed from the snapshot [$a2] != computed [$a1]"
+  grep -q "cached 0 tokens" "$WORK/$1.c1.err" && grep -q "cached 32 tokens" "$WORK/$1.c2.err" ||
+    { cat "$WORK/$1".c?.err; fail "$1: cached_tokens of the repeated prompt"; }
+  PAIR_IDS=$a1
+}
+
+serve_start "$WORK/hybrid" --tp 1 --no-prefix-cache "${EXTRA[@]}"
+NOCACHE=$("$BIN" client --addr "$ADDR" --prompt-ids $LONG --max-tokens 12 --ignore-eos --ids 2>"$WORK/nc.err") ||
+  { cat "$WORK/nc.err"; fail "no-prefix-cache request"; }
+grep -q "cached 0 tokens" "$WORK/nc.err" || fail "no-prefix-cache: cached tokens reported"
+serve_stop || fail "serve --tp 1 --no-prefix-cache exited non-zero"
+
 serve_start "$WORK/hybrid" --tp 1 "${EXTRA[@]}"
 py refs --out "$WORK/tp1.json" --streams $STREAMS --max-tokens $TOKENS || fail "tp1 refs"
 py streams --refs "$WORK/tp1.json" --kill-pid 0 --expect same || fail "tp1: batched != alone"
-grep -q "keeps a recurrent state per sequence: prefix caching" "$LOG" || fail "no log line about prefix caching"
+prefix_pair tp1
+[ "$PAIR_IDS" = "$NOCACHE" ] || fail "tp1: prefix cache on [$PAIR_IDS] != off [$NOCACHE]"
+echo "tp1: prefix cache on == off, the repeat resumed from a state snapshot (cached 32 tokens)"
 "$BIN" client --addr "$ADDR" --info >"$WORK/info.json" 2>"$WORK/info.err" || fail "server info"
 /usr/bin/python3 - "$WORK/info.json" "$WORK/hybrid/config.json" <<'PY' || fail "server info: $(cat "$WORK/info.json")"
 import json, sys
 info = json.load(open(sys.argv[1]))
-flat = json.dumps(info)
-assert '"prefixCacheEnabled": true' not in flat and '"prefix_cache_enabled": true' not in flat, flat[:400]
-print("GetServerInfo: prefix caching off")
+server = info.get("server", info)
+assert server.get("prefix_cache_enabled") is True, server
+saves, hits = int(server.get("state_snapshot_saves", 0)), int(server.get("state_snapshot_hits", 0))
+held, most = int(server.get("state_snapshots", 0)), int(server.get("state_snapshots_max", 0))
+assert saves >= 1 and hits >= 1 and 1 <= held <= most, server
+print(f"GetServerInfo: prefix caching on; state snapshots {held} held of {most}, {saves} taken, {hits} resumed")
 # The recurrent state per sequence, computed here from config.json: per
 # linear-attention layer (K-1) conv inputs of 2*Hk*dk + Hv*dv channels and
 # Hv matrices of dk x dv, fp32.
@@ -63,6 +91,9 @@ serve_stop || fail "serve --tp 1 exited non-zero"
 serve_start "$WORK/hybrid" --tp 2 --http-port 0 "${EXTRA[@]}"
 py refs --out "$WORK/tp2.json" --streams $STREAMS --max-tokens $TOKENS || fail "tp2 refs"
 py same "$WORK/tp1.json" "$WORK/tp2.json" || fail "tp2 alone != tp1"
+prefix_pair tp2
+[ "$PAIR_IDS" = "$NOCACHE" ] || fail "tp2: prefix cache on [$PAIR_IDS] != tp1 off [$NOCACHE]"
+echo "tp2: the repeat resumed from each rank's state snapshot, the tp 1 ids"
 py streams --refs "$WORK/tp1.json" --kill-pid 0 --expect same || fail "tp2 batched != tp1"
 HTTP=$(sed -n 's/^http: listening on //p' "$LOG")
 [ -n "$HTTP" ] || fail "no 'http: listening on' line"

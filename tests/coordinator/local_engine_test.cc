@@ -613,6 +613,9 @@ class ForwardingExecutor : public worker::StepExecutor {
   absl::Status SaveKvBlocks(std::span<const worker::KvBlockTransfer> saves) override {
     return inner_->SaveKvBlocks(saves);
   }
+  absl::Status SaveStateSnapshots(std::span<const worker::StateSnapshotSave> saves) override {
+    return inner_->SaveStateSnapshots(saves);
+  }
   absl::Status LoadKvBlocks(std::span<const worker::KvBlockTransfer> loads,
                             std::vector<uint8_t>* loaded) override {
     return inner_->LoadKvBlocks(loads, loaded);

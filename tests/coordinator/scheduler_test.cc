@@ -40,6 +40,15 @@ void ExpectedEntry(std::span<const int32_t> tokens, int64_t pos, float* k, float
   v[1] = 0.0f;
 }
 
+// What a rank's recurrent state holds after the first `length` tokens of a
+// sequence: the hash of ExpectedEntry over them (exact in fp32).
+float ExpectedState(std::span<const int32_t> tokens, int64_t length) {
+  if (length == 0) return 0.0f;  // a new sequence's state is zeros
+  uint32_t h = 17;
+  for (int64_t i = 0; i < length; ++i) h = (h * 1000003u + static_cast<uint32_t>(tokens[i]) + 1u) % (1u << 20);
+  return static_cast<float>(h);
+}
+
 // Drives a Scheduler and a PagedKvCache of the same geometry with every step
 // as a rank does (RemoveSequence / AddSequence with the cached length /
 // AssignPages of each entry's new blocks, then Reserve as the Forward does,
@@ -50,6 +59,13 @@ void ExpectedEntry(std::span<const int32_t> tokens, int64_t pos, float* k, float
 // scheduler's block table, and the positions before a chunk (cached or
 // computed earlier) read back as this sequence's own prefix; P1-P3 of the
 // block pool (a page's holders on the "rank" = the block's references).
+// With SchedulerOptions::recurrent_state the cache also keeps one float of
+// state per sequence (ExpectedState of its committed tokens), resumed from
+// the scheduler's snapshots at admission and snapshotted after the step as
+// state_saves says; every chunk checks that the state it starts from is its
+// own prefix's, so a resume from a wrong snapshot (or at a wrong position)
+// fails the test. A drafting entry keeps its state after each position and
+// Rollback restores the accepted one, as a rank's verification does.
 class Harness {
  public:
   explicit Harness(const SchedulerOptions& options) : scheduler_(options), options_(options) {
@@ -74,11 +90,19 @@ class Harness {
   // A rank's verification rejected the last `rejected` positions of the
   // sequence's drafting entry: its cache length drops (pages stay).
   void Rollback(int64_t seq_id, int64_t rejected) {
-    cache_->SetLength(seq_id, cache_->Length(seq_id) - rejected);
+    if (!cache_->has_state()) {
+      cache_->SetLength(seq_id, cache_->Length(seq_id) - rejected);
+    } else if (rejected > 0) {
+      absl::Status s = cache_->RollbackWithState(seq_id, cache_->Length(seq_id) - rejected);
+      EXPECT_TRUE(s.ok()) << s;
+    } else {
+      cache_->DropStateHistory(seq_id);
+    }
   }
   // The longest draft ever proposed (bounds the tail blocks, I2).
   void set_max_draft(int64_t n) { max_draft_ = n; }
   uint64_t drafting_entries() const { return drafting_entries_; }
+  uint64_t snapshots_taken() const { return snapshots_taken_; }
 
   std::vector<int64_t> FailAndReform() {
     NewCache();
@@ -95,8 +119,12 @@ class Harness {
       EXPECT_TRUE(removed.ok() || (reformed_ && absl::IsNotFound(removed))) << id << removed;
     }
     for (int64_t id : out.admit) {
-      absl::Status added = cache_->AddSequence(id, scheduler_.cached_at_admission(id));
+      const StateSnapshot state = scheduler_.cached_state(id);
+      absl::Status added =
+          cache_->AddSequence(id, scheduler_.cached_at_admission(id),
+                              {.slot = state.slot, .hash_hi = state.hash.hi, .hash_lo = state.hash.lo});
       EXPECT_TRUE(added.ok()) << id << added;
+      if (!cache_->has_state()) EXPECT_EQ(state.slot, -1);
     }
     for (const BlockTransfer& save : out.kv_saves) {
       const std::span<const uint8_t> bytes = cache_->PageBytes(save.block);
@@ -162,6 +190,21 @@ class Harness {
           ExpectedEntry(all, pos, &k[(pos - c.start) * 2], &v[(pos - c.start) * 2]);
         }
         cache_->Write(c.seq_id, 0, c.start, end - c.start, k.data(), v.data());
+        if (cache_->has_state()) {
+          // The state this chunk continues must be its own prefix's.
+          float* state = cache_->State(c.seq_id, 0);
+          EXPECT_EQ(*state, ExpectedState(all, c.start))
+              << "sequence " << c.seq_id << " resumes a wrong state at " << c.start << " (cached "
+              << scheduler_.cached_at_admission(c.seq_id) << ")";
+          if (c.num_draft > 0) {
+            absl::Status kept = cache_->KeepStateHistory(c.seq_id, end - c.start);
+            EXPECT_TRUE(kept.ok()) << kept;
+            for (int64_t pos = c.start; pos < end; ++pos) {
+              *cache_->StateHistory(c.seq_id, 0, pos) = ExpectedState(all, pos + 1);
+            }
+          }
+          *state = ExpectedState(all, end);
+        }
         cache_->SetLength(c.seq_id, end);
       }
       // I4 (a drafting entry: the sequence's tokens end before its drafts)
@@ -177,6 +220,22 @@ class Harness {
                 (scheduler_.computed(c.seq_id) + std::max<int64_t>(c.num_draft, max_draft_) + page - 1) /
                     page);
       if (c.num_draft > 0) ++drafting_entries_;
+    }
+    // The snapshots, after the "forward": each at its chunk's end, which is
+    // a block boundary without drafts (the cache refuses other lengths and
+    // a kept history).
+    for (const StateSnapshot& save : out.state_saves) {
+      const ScheduledChunk* c = nullptr;
+      for (const ScheduledChunk& e : out.batch) {
+        if (e.seq_id == save.seq_id) c = &e;
+      }
+      EXPECT_NE(c, nullptr) << "a snapshot of sequence " << save.seq_id << " outside the batch";
+      if (c == nullptr) continue;
+      EXPECT_EQ(c->num_draft, 0);
+      absl::Status saved = cache_->SaveStateSnapshot(
+          save.seq_id, {.slot = save.slot, .hash_hi = save.hash.hi, .hash_lo = save.hash.lo});
+      EXPECT_TRUE(saved.ok()) << saved;
+      ++snapshots_taken_;
     }
     EXPECT_LE(total, options_.step_token_budget);  // I3
     EXPECT_LE(scheduler_.num_running(), options_.max_running);
@@ -201,7 +260,12 @@ class Harness {
     kv.num_pages = options_.num_blocks;
     kv.dtype = worker::KvCacheDtype::kFp32;
     kv.caller_assigns_pages = true;
-    auto cache = worker::PagedKvCache::Create({1, 1, 2}, kv);
+    worker::KvCacheShape shape;
+    shape.num_layers = 1;
+    shape.num_kv_heads = 1;
+    shape.head_dim = 2;
+    if (options_.recurrent_state) shape.state_floats = {1};
+    auto cache = worker::PagedKvCache::Create(shape, kv);
     EXPECT_TRUE(cache.ok()) << cache.status();
     cache_.emplace(std::move(*cache));
   }
@@ -216,6 +280,7 @@ class Harness {
   uint64_t disk_faults_ = 0;
   int64_t max_draft_ = 0;
   uint64_t drafting_entries_ = 0;
+  uint64_t snapshots_taken_ = 0;
 };
 
 const ScheduledChunk* Find(const ScheduleOutput& out, int64_t id) {
@@ -457,6 +522,7 @@ TEST(SchedulerTest, ResetForgetsEverything) {
 // sequence reads is its own prefix.
 struct WorkloadCounts {
   uint64_t preemptions = 0, cancellations = 0, reformations = 0, hit_tokens = 0;
+  uint64_t snapshots = 0, snapshot_hits = 0;
   uint64_t disk_hits = 0, disk_misses = 0, disk_faults = 0;
   uint64_t drafting_entries = 0, accepted_drafts = 0;
 };
@@ -464,8 +530,10 @@ struct WorkloadCounts {
 // With `drafting`, every sequence that awaits a decode proposes a random
 // draft (a random number of correct tokens, then wrong ones) and the
 // "verification" accepts the correct prefix, as the ranks would.
+// With `recurrent`, the model keeps a recurrent state (a random number of
+// snapshot slots and interval; the harness checks every resumed state).
 WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false,
-                                  bool drafting = false) {
+                                  bool drafting = false, bool recurrent = false) {
   const uint32_t seed = static_cast<uint32_t>(::testing::UnitTest::GetInstance()->random_seed());
   WorkloadCounts counts;
   for (int round = 0; round < rounds; ++round) {
@@ -481,6 +549,11 @@ WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false,
     if (disk) options.disk_blocks = uniform(1, 24);
     const int max_draft = drafting ? uniform(1, 6) : 0;
     options.draft_token_budget = drafting ? uniform(1, 12) : 0;
+    if (recurrent) {
+      options.recurrent_state = true;
+      options.state_snapshot_slots = uniform(1, 8);
+      options.state_snapshot_interval_blocks = uniform(0, 3);
+    }
     const int64_t capacity = options.page_size_tokens * options.num_blocks;
     Harness h(options);
     h.set_max_draft(max_draft);
@@ -612,6 +685,9 @@ WorkloadCounts RunRandomWorkloads(bool caching, int rounds, bool disk = false,
     counts.disk_hits += h.scheduler().prefix_cache_stats().disk_hits;
     counts.disk_misses += h.scheduler().prefix_cache_stats().disk_misses;
     counts.disk_faults += h.disk_faults();
+    counts.snapshots += h.snapshots_taken();
+    counts.snapshot_hits += h.scheduler().prefix_cache_stats().state_snapshot_hits;
+    EXPECT_EQ(h.scheduler().prefix_cache_stats().state_snapshot_saves, h.snapshots_taken());
     EXPECT_TRUE(h.scheduler().blocks_held_for_loads().empty());
     for (const auto& [id, w] : want) counts.cancellations += w.cancelled;
     // FCFS for first admissions.
@@ -740,6 +816,26 @@ TEST(SchedulerTest, RandomWorkloadsThroughTheDiskTierReadOnlyTheirOwnPrefix) {
   EXPECT_GT(counts.disk_faults, 0u);
   EXPECT_GE(counts.disk_misses, counts.disk_faults);
   EXPECT_GT(counts.reformations, 0u);
+}
+
+TEST(SchedulerTest, RandomRecurrentStateWorkloadsResumeOnlyTheirOwnState) {
+  // Prefix caching with state snapshots, with drafts, the disk tier,
+  // preemption and re-formations: every chunk starts from its own prefix's
+  // state (the harness), and outputs equal the lone runs.
+  const WorkloadCounts counts = RunRandomWorkloads(/*caching=*/true, 80, /*disk=*/true,
+                                                   /*drafting=*/true, /*recurrent=*/true);
+  EXPECT_GT(counts.snapshots, 0u);
+  EXPECT_GT(counts.snapshot_hits, 0u);
+  EXPECT_GT(counts.hit_tokens, 0u);
+  EXPECT_GT(counts.drafting_entries, 0u);
+  EXPECT_GT(counts.preemptions, 0u);
+}
+
+TEST(SchedulerTest, RandomRecurrentStateWorkloadsWithoutTheCacheNeverSnapshot) {
+  const WorkloadCounts counts = RunRandomWorkloads(/*caching=*/false, 20, /*disk=*/false,
+                                                   /*drafting=*/true, /*recurrent=*/true);
+  EXPECT_EQ(counts.snapshots, 0u);
+  EXPECT_EQ(counts.hit_tokens, 0u);
 }
 
 SchedulerOptions CachingOptions() {
@@ -919,6 +1015,77 @@ TEST(SchedulerTest, AnEvictedBlockComesBackFromTheDiskTier) {
     }
     EXPECT_TRUE(h.scheduler().blocks_held_for_loads().empty());
   }
+}
+
+SchedulerOptions RecurrentOptions(int64_t interval) {
+  SchedulerOptions options = CachingOptions();
+  options.recurrent_state = true;
+  options.state_snapshot_slots = 4;
+  options.state_snapshot_interval_blocks = interval;
+  return options;
+}
+
+TEST(SchedulerTest, ARecurrentPromptIsSnapshottedAtItsLastFullBlockAndResumedThere) {
+  Harness h(RecurrentOptions(/*interval=*/0));
+  ASSERT_TRUE(h.scheduler().Add(1, Tokens(10)).ok());
+  // The prefill is cut at block 2 ((10 - 1) / 4), where the state is kept.
+  ScheduleOutput out = h.Step();
+  const ScheduledChunk* c = Find(out, 1);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->tokens.size(), 8u);
+  EXPECT_FALSE(c->needs_logits);
+  ASSERT_EQ(out.state_saves.size(), 1u);
+  EXPECT_EQ(out.state_saves[0].seq_id, 1);
+  out = h.Step();
+  c = Find(out, 1);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->start, 8);
+  EXPECT_TRUE(c->needs_logits);
+  EXPECT_TRUE(out.state_saves.empty());
+  h.scheduler().Finish(1);
+  h.Step();
+  // The same prompt again: two blocks and the snapshot, two tokens computed.
+  ASSERT_TRUE(h.scheduler().Add(2, Tokens(10)).ok());
+  out = h.Step();
+  c = Find(out, 2);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 8);
+  EXPECT_GE(h.scheduler().cached_state(2).slot, 0);
+  EXPECT_EQ(c->start, 8);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().state_snapshot_hits, 1u);
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().state_snapshots, 1);
+}
+
+TEST(SchedulerTest, RecurrentBlocksWithoutASnapshotAreNotAHit) {
+  // Only the prompt's last full block is snapshotted: a prompt that shares
+  // three blocks with it (not the fourth) finds their KV but no state.
+  Harness h(RecurrentOptions(/*interval=*/0));
+  RunToFirstToken(h, 1, Tokens(20));  // snapshot at 16
+  std::vector<int32_t> b = Tokens(13);
+  b.insert(b.end(), {700, 701, 702, 703});
+  ASSERT_TRUE(h.scheduler().Add(2, b).ok());
+  ScheduleOutput out = h.Step();
+  ASSERT_NE(Find(out, 2), nullptr);
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 0);
+  EXPECT_EQ(h.scheduler().cached_state(2).slot, -1);
+}
+
+TEST(SchedulerTest, RecurrentSnapshotsAtAnIntervalServeASharedBeginning) {
+  // Every 2 blocks as well: the shared 13 tokens resume from the one at 8.
+  Harness h(RecurrentOptions(/*interval=*/2));
+  RunToFirstToken(h, 1, Tokens(20));  // snapshots at 8 and 16
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().state_snapshot_saves, 2u);
+  std::vector<int32_t> b = Tokens(13);
+  b.insert(b.end(), {700, 701, 702, 703});
+  ASSERT_TRUE(h.scheduler().Add(2, b).ok());
+  ScheduleOutput out = h.Step();
+  const ScheduledChunk* c = Find(out, 2);
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 8);
+  EXPECT_EQ(c->start, 8);
+  // Its own last full block (16 of 17) gets a snapshot: the chunk stops there.
+  EXPECT_EQ(c->tokens.size(), 8u);
+  EXPECT_EQ(out.state_saves.size(), 1u);
 }
 
 TEST(SchedulerTest, DifferentSaltsNeverShareBlocks) {

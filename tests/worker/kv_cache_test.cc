@@ -345,6 +345,85 @@ TEST(PagedKvCacheTest, ACachedLengthMustFitThePoolAndNeedsAssignedPages) {
   EXPECT_NE(s.message().find("caller_assigns_pages"), std::string::npos) << s;
 }
 
+// A cache with two state slots of 3 and 5 floats per sequence (a recurrent
+// model's layers), caller-assigned pages of 4 positions.
+PagedKvCache MakeWithState() {
+  KvCacheShape shape = kShape;
+  shape.state_floats = {3, 5};
+  KvCacheOptions options;
+  options.num_pages = 6;
+  options.page_size_tokens = 4;
+  options.caller_assigns_pages = true;
+  auto cache = PagedKvCache::Create(shape, options);
+  EXPECT_TRUE(cache.ok()) << cache.status();
+  return *std::move(cache);
+}
+
+void FillState(PagedKvCache& cache, int64_t seq, float base) {
+  for (int slot = 0; slot < 2; ++slot) {
+    float* s = cache.State(seq, slot);
+    for (int i = 0; i < (slot == 0 ? 3 : 5); ++i) s[i] = base + 10.0f * slot + i;
+  }
+}
+
+TEST(PagedKvCacheTest, ASequenceResumesFromTheStateSnapshotOfItsPrefix) {
+  PagedKvCache cache = MakeWithState();
+  ASSERT_TRUE(cache.AddSequence(1).ok());
+  ASSERT_TRUE(cache.AssignPages(1, std::vector<int32_t>{0, 1}).ok());
+  ASSERT_TRUE(cache.Reserve(1, 8).ok());
+  cache.SetLength(1, 8);
+  FillState(cache, 1, 100.0f);
+  const StateSnapshotRef snap{.slot = 4, .hash_hi = 0xabc, .hash_lo = 0xdef};
+  ASSERT_TRUE(cache.SaveStateSnapshot(1, snap).ok());
+  EXPECT_EQ(cache.state_snapshots_held(), 1);
+  FillState(cache, 1, 900.0f);  // the sequence moves on; the snapshot stays
+  ASSERT_TRUE(cache.AddSequence(2, 8, snap).ok());
+  for (int slot = 0; slot < 2; ++slot) {
+    const float* s = cache.State(2, slot);
+    for (int i = 0; i < (slot == 0 ? 3 : 5); ++i) {
+      EXPECT_EQ(s[i], 100.0f + 10.0f * slot + i) << slot << " " << i;
+    }
+  }
+  // Saving over a slot replaces it; the count stays.
+  ASSERT_TRUE(cache.SaveStateSnapshot(1, {.slot = 4, .hash_hi = 1, .hash_lo = 2}).ok());
+  EXPECT_EQ(cache.state_snapshots_held(), 1);
+}
+
+TEST(PagedKvCacheTest, AResumeNeedsASnapshotOfThatHashAtThatLength) {
+  PagedKvCache cache = MakeWithState();
+  ASSERT_TRUE(cache.AddSequence(1).ok());
+  ASSERT_TRUE(cache.AssignPages(1, std::vector<int32_t>{0, 1}).ok());
+  ASSERT_TRUE(cache.Reserve(1, 8).ok());
+  cache.SetLength(1, 4);
+  const StateSnapshotRef snap{.slot = 0, .hash_hi = 7, .hash_lo = 8};
+  ASSERT_TRUE(cache.SaveStateSnapshot(1, snap).ok());
+  // No snapshot, an empty slot, another hash, another length.
+  absl::Status s = cache.AddSequence(2, 4);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_NE(s.message().find("snapshot"), std::string::npos) << s;
+  EXPECT_EQ(cache.AddSequence(2, 4, {.slot = 3, .hash_hi = 7, .hash_lo = 8}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.AddSequence(2, 4, {.slot = 0, .hash_hi = 7, .hash_lo = 9}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(cache.AddSequence(2, 8, snap).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(cache.HasSequence(2));
+  EXPECT_TRUE(cache.AddSequence(2, 4, snap).ok());
+  // A snapshot sits at a block boundary, in a slot of the pool's range,
+  // outside a speculative history, of a known sequence.
+  cache.SetLength(1, 6);
+  EXPECT_EQ(cache.SaveStateSnapshot(1, {.slot = 1}).code(), absl::StatusCode::kFailedPrecondition);
+  cache.SetLength(1, 8);
+  EXPECT_EQ(cache.SaveStateSnapshot(1, {.slot = 6}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.SaveStateSnapshot(1, {.slot = -1}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(cache.SaveStateSnapshot(9, {.slot = 1}).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(cache.KeepStateHistory(1, 2).ok());
+  EXPECT_EQ(cache.SaveStateSnapshot(1, {.slot = 1}).code(), absl::StatusCode::kFailedPrecondition);
+  // A cache without state has none to snapshot.
+  PagedKvCache plain = MakeAssigned(4, 4);
+  ASSERT_TRUE(plain.AddSequence(1).ok());
+  EXPECT_EQ(plain.SaveStateSnapshot(1, {.slot = 0}).code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(PagedKvCacheTest, RejectsBadOptions) {
   KvCacheOptions options;
   options.num_pages = 0;

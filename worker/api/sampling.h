@@ -58,6 +58,12 @@ struct SequenceSampling {
   // the sampler has observed them (penalties, the generator's position), and
   // the first forward feeds the tokens from n on. Empty: nothing cached.
   std::vector<int32_t> cached_prefix{};
+  // A model with a recurrent state (KvCacheShape::state_floats): the state
+  // snapshot after cached_prefix (step_executor.h StateSnapshotRef; slot -1
+  // = none, which such a model refuses with a non-empty cached_prefix).
+  int64_t cached_state_slot = -1;
+  uint64_t cached_state_hash_hi = 0;
+  uint64_t cached_state_hash_lo = 0;
 };
 
 }  // namespace exl3serve::worker

@@ -81,6 +81,25 @@ struct KvBlockTransfer {
   uint64_t hash_lo = 0;
 };
 
+// A snapshot of a sequence's recurrent state (KvCacheShape::state_floats),
+// kept in slot `slot` of every rank's snapshot store for the prefix cache
+// (coordinator/scheduler.h): the state after the sequence's first
+// `position` tokens, whose last full block's chained hash is (hash_hi,
+// hash_lo). The coordinator places snapshots, as it places pages; a rank
+// checks the hash and the position when a sequence resumes from one.
+struct StateSnapshotRef {
+  int64_t slot = -1;  // -1: none
+  uint64_t hash_hi = 0;
+  uint64_t hash_lo = 0;
+};
+
+// Save the current state of sequence `seq_id` (after its forwards so far:
+// its committed length must be a multiple of the page size) into a slot.
+struct StateSnapshotSave {
+  int64_t seq_id = 0;
+  StateSnapshotRef snapshot;
+};
+
 // Thread safety: one caller at a time.
 class StepExecutor {
  public:
@@ -167,6 +186,17 @@ class StepExecutor {
   virtual absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
                                     std::vector<uint8_t>* loaded) {
     return absl::UnimplementedError("this executor has no KV disk tier");
+  }
+
+  // Prefix caching with a recurrent state: copies each sequence's state into
+  // its snapshot slot on every rank (after the forward that brought it to a
+  // block boundary; PagedKvCache::SaveStateSnapshot). A sequence resumes from
+  // one with SequenceSampling::cached_state. Errors: NotFound for an unknown
+  // sequence, InvalidArgument for a slot out of range, FailedPrecondition for
+  // a length that is not a whole number of pages. Unimplemented where the
+  // executor keeps no state snapshots.
+  virtual absl::Status SaveStateSnapshots(std::span<const StateSnapshotSave> saves) {
+    return absl::UnimplementedError("this executor keeps no state snapshots");
   }
 
   // Bytes of step results received from the ranks so far (what crossed

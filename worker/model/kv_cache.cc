@@ -152,7 +152,8 @@ const PagedKvCache::Sequence& PagedKvCache::Get(int64_t seq_id) const {
   return it->second;
 }
 
-absl::Status PagedKvCache::AddSequence(int64_t seq_id, int64_t cached_length) {
+absl::Status PagedKvCache::AddSequence(int64_t seq_id, int64_t cached_length,
+                                       const StateSnapshotRef& resume_from) {
   const int64_t positions = options_.num_pages * options_.page_size_tokens;
   if (cached_length < 0 || cached_length > positions) {
     return absl::InvalidArgumentError(absl::StrCat("kv cache: sequence ", seq_id, ": cached length ",
@@ -164,18 +165,34 @@ absl::Status PagedKvCache::AddSequence(int64_t seq_id, int64_t cached_length) {
         absl::StrCat("kv cache: sequence ", seq_id,
                      ": a cached prefix needs pages assigned by the caller (caller_assigns_pages)"));
   }
+  const Snapshot* from = nullptr;
   if (cached_length > 0 && has_state()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "kv cache: sequence ", seq_id, ": this model keeps a recurrent state per sequence, which "
-        "cannot resume from a cached prefix of ", cached_length, " positions (prefix caching is "
-        "off for such models)"));
+    if (resume_from.slot < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kv cache: sequence ", seq_id, ": this model keeps a recurrent state per sequence; a "
+          "cached prefix of ", cached_length, " positions needs a state snapshot to resume from"));
+    }
+    const size_t slot = static_cast<size_t>(resume_from.slot);
+    if (slot >= snapshots_.size() || snapshots_[slot].state.empty() ||
+        snapshots_[slot].length != cached_length || snapshots_[slot].hash_hi != resume_from.hash_hi ||
+        snapshots_[slot].hash_lo != resume_from.hash_lo) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "kv cache: sequence ", seq_id, ": state snapshot slot ", resume_from.slot,
+          " does not hold the state after this prefix of ", cached_length,
+          " positions (empty, or another block's)"));
+    }
+    from = &snapshots_[slot];
   }
   if (sequences_.contains(seq_id)) {
     return absl::AlreadyExistsError(absl::StrCat("kv cache: sequence ", seq_id, " already exists"));
   }
   std::vector<float> state;
   try {
-    state.assign(static_cast<size_t>(shape_.state_floats_per_sequence()), 0.0f);
+    if (from != nullptr) {
+      state = from->state;
+    } else {
+      state.assign(static_cast<size_t>(shape_.state_floats_per_sequence()), 0.0f);
+    }
   } catch (const std::bad_alloc&) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "kv cache: sequence ", seq_id, ": cannot allocate its recurrent state of ",
@@ -355,6 +372,41 @@ absl::Status PagedKvCache::RollbackWithState(int64_t seq_id, int64_t length) {
   std::copy_n(s.history.data() + index * floats, floats, s.state.data());
   s.length = length;
   s.history_positions = 0;
+  return absl::OkStatus();
+}
+
+absl::Status PagedKvCache::SaveStateSnapshot(int64_t seq_id, const StateSnapshotRef& snapshot) {
+  auto it = sequences_.find(seq_id);
+  if (it == sequences_.end()) return absl::NotFoundError(absl::StrCat("kv cache: no sequence ", seq_id));
+  if (!has_state()) {
+    return absl::InvalidArgumentError("kv cache: this model keeps no state to snapshot");
+  }
+  if (snapshot.slot < 0 || snapshot.slot >= options_.num_pages) {
+    return absl::InvalidArgumentError(absl::StrCat("kv cache: state snapshot slot ", snapshot.slot,
+                                                   " is outside [0, ", options_.num_pages, ")"));
+  }
+  const Sequence& seq = it->second;
+  if (seq.length % options_.page_size_tokens != 0 || seq.history_positions > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "kv cache: sequence ", seq_id, ": a state snapshot needs a length at a block boundary (",
+        seq.length, " positions, blocks of ", options_.page_size_tokens,
+        ") and no speculative history"));
+  }
+  const size_t slot = static_cast<size_t>(snapshot.slot);
+  try {
+    if (snapshots_.size() <= slot) snapshots_.resize(slot + 1);
+    std::vector<float> copy = seq.state;
+    Snapshot& to = snapshots_[slot];
+    if (to.state.empty()) ++snapshots_held_;
+    to.state = std::move(copy);
+    to.length = seq.length;
+    to.hash_hi = snapshot.hash_hi;
+    to.hash_lo = snapshot.hash_lo;
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "kv cache: cannot allocate state snapshot slot ", snapshot.slot, " (",
+        state_bytes_per_sequence() >> 20, " MiB)"));
+  }
   return absl::OkStatus();
 }
 

@@ -90,7 +90,13 @@ class PagedKvCache {
   // next (a shared prefix): the sequence starts at that length, and the first
   // forward writes from there. InvalidArgument for a cached_length outside
   // [0, num_pages * page_size_tokens] or > 0 without caller_assigns_pages.
-  absl::Status AddSequence(int64_t seq_id, int64_t cached_length = 0);
+  // With state (has_state()), a cached prefix needs `resume_from`: a state
+  // snapshot (SaveStateSnapshot) taken at exactly cached_length under the
+  // same hash, copied into the new sequence's state; FailedPrecondition
+  // naming the slot otherwise (none given, an empty slot, another hash or
+  // position).
+  absl::Status AddSequence(int64_t seq_id, int64_t cached_length = 0,
+                           const StateSnapshotRef& resume_from = {});
   // Drops the sequence's hold on its pages; a page no other sequence holds
   // returns to the pool. NotFound for an unknown id.
   absl::Status RemoveSequence(int64_t seq_id);
@@ -179,6 +185,19 @@ class PagedKvCache {
   absl::Status RollbackWithState(int64_t seq_id, int64_t length);
   // Ends the history (the kept Forward's state stands). No-op without one.
   void DropStateHistory(int64_t seq_id);
+  // State snapshots for the prefix cache (the caller places them, as pages;
+  // StepExecutor::SaveStateSnapshots): copies the sequence's state into
+  // slot snapshot.slot, recording its length and hash, replacing what the
+  // slot held. Slots are allocated when first used; at most num_pages of
+  // them (a snapshot belongs to one cached block). Errors: NotFound for an
+  // unknown sequence; InvalidArgument for a slot outside [0, num_pages) or a
+  // cache without state; FailedPrecondition for a length that is not a
+  // whole number of pages (a snapshot sits at a block boundary) or while a
+  // speculative history is kept; ResourceExhausted when the slot cannot be
+  // allocated.
+  absl::Status SaveStateSnapshot(int64_t seq_id, const StateSnapshotRef& snapshot);
+  // Slots holding a snapshot.
+  int64_t state_snapshots_held() const { return snapshots_held_; }
   // Bytes of state one sequence holds (0 without state).
   int64_t state_bytes_per_sequence() const {
     return shape_.state_floats_per_sequence() * static_cast<int64_t>(sizeof(float));
@@ -221,6 +240,13 @@ class PagedKvCache {
   std::vector<int32_t> refs_;
   std::vector<int64_t> owner_;
   std::vector<int64_t> state_offsets_;  // start of each state slot in Sequence::state
+  struct Snapshot {
+    std::vector<float> state;  // empty = the slot holds none
+    int64_t length = 0;
+    uint64_t hash_hi = 0, hash_lo = 0;
+  };
+  std::vector<Snapshot> snapshots_;  // by slot, grown on demand
+  int64_t snapshots_held_ = 0;
   absl::flat_hash_map<int64_t, Sequence> sequences_;
 };
 

@@ -172,13 +172,20 @@ absl::Status LocalStepExecutor::TruncateSequence(int64_t seq_id,
   return absl::OkStatus();
 }
 
+absl::Status SaveStateSnapshots(PagedKvCache* cache, std::span<const StateSnapshotSave> saves) {
+  for (const StateSnapshotSave& save : saves) {
+    EXL3_RETURN_IF_ERROR(cache->SaveStateSnapshot(save.seq_id, save.snapshot));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LocalStepExecutor::AddSampledSequence(int64_t seq_id,
                                                    const SequenceSampling& sampling) {
   if (sampler_.HasSequence(seq_id)) {
     return absl::AlreadyExistsError(absl::StrCat("sequence ", seq_id, " already exists"));
   }
-  EXL3_RETURN_IF_ERROR(
-      cache_->AddSequence(seq_id, static_cast<int64_t>(sampling.cached_prefix.size())));
+  EXL3_RETURN_IF_ERROR(cache_->AddSequence(
+      seq_id, static_cast<int64_t>(sampling.cached_prefix.size()), CachedStateOf(sampling)));
   if (absl::Status s = sampler_.AddSequence(seq_id, sampling); !s.ok()) {
     (void)cache_->RemoveSequence(seq_id);
     return s;

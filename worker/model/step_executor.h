@@ -60,6 +60,16 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
                                 std::span<const int32_t> draft_counts, std::vector<float>* slice,
                                 std::vector<std::vector<SampledToken>>* runs);
 
+// SequenceSampling's cached_state_* as a snapshot reference.
+inline StateSnapshotRef CachedStateOf(const SequenceSampling& sampling) {
+  return {.slot = sampling.cached_state_slot,
+          .hash_hi = sampling.cached_state_hash_hi,
+          .hash_lo = sampling.cached_state_hash_lo};
+}
+// Each save in order (PagedKvCache::SaveStateSnapshot); stops at the first
+// error.
+absl::Status SaveStateSnapshots(PagedKvCache* cache, std::span<const StateSnapshotSave> saves);
+
 // A sampler over `model`'s vocabulary slice and communicator.
 VocabSampler MakeVocabSampler(const Transformer& model);
 
@@ -98,6 +108,9 @@ class LocalStepExecutor final : public StepExecutor {
     return cache_->AssignPages(seq_id, page_ids);
   }
   absl::Status TruncateSequence(int64_t seq_id, std::span<const int32_t> dropped) override;
+  absl::Status SaveStateSnapshots(std::span<const StateSnapshotSave> saves) override {
+    return worker::SaveStateSnapshots(cache_, saves);
+  }
   std::optional<KvCacheOptions> kv_options() const override { return cache_->options(); }
   PagedKvCache& cache() { return *cache_; }
   // The prefix cache's disk tier of this process (null = none: Save/Load

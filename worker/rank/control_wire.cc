@@ -249,6 +249,9 @@ void EncodeSequenceSampling(const SequenceSampling& sampling, WireWriter* w) {
     w->F32(bias);
   }
   w->I32s(sampling.cached_prefix.data(), sampling.cached_prefix.size());
+  w->I64(sampling.cached_state_slot);
+  w->U64(sampling.cached_state_hash_hi);
+  w->U64(sampling.cached_state_hash_lo);
 }
 
 absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out) {
@@ -281,6 +284,9 @@ absl::Status DecodeSequenceSampling(WireReader* in, SequenceSampling* out) {
   }
   if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated logit_bias");
   out->cached_prefix = in->I32s();
+  out->cached_state_slot = in->I64();
+  out->cached_state_hash_hi = in->U64();
+  out->cached_state_hash_lo = in->U64();
   if (!in->ok()) return absl::InvalidArgumentError("sampling parameters: truncated cached prefix");
   return absl::OkStatus();
 }
@@ -308,6 +314,32 @@ absl::Status DecodeKvBlockTransfers(WireReader* in, std::vector<KvBlockTransfer>
     t.hash_lo = in->U64();
   }
   if (!in->ok()) return absl::InvalidArgumentError("kv block transfers: truncated");
+  return absl::OkStatus();
+}
+
+void EncodeStateSnapshotSaves(std::span<const StateSnapshotSave> saves, WireWriter* w) {
+  w->U32(static_cast<uint32_t>(saves.size()));
+  for (const StateSnapshotSave& s : saves) {
+    w->I64(s.seq_id);
+    w->I64(s.snapshot.slot);
+    w->U64(s.snapshot.hash_hi);
+    w->U64(s.snapshot.hash_lo);
+  }
+}
+
+absl::Status DecodeStateSnapshotSaves(WireReader* in, std::vector<StateSnapshotSave>* out) {
+  const uint32_t n = in->U32();
+  if (!in->ok() || n > in->rest().size() / 32) {
+    return absl::InvalidArgumentError("state snapshot saves: truncated or oversized list");
+  }
+  out->resize(n);
+  for (StateSnapshotSave& s : *out) {
+    s.seq_id = in->I64();
+    s.snapshot.slot = in->I64();
+    s.snapshot.hash_hi = in->U64();
+    s.snapshot.hash_lo = in->U64();
+  }
+  if (!in->ok()) return absl::InvalidArgumentError("state snapshot saves: truncated");
   return absl::OkStatus();
 }
 

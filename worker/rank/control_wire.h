@@ -29,7 +29,8 @@ namespace exl3serve::worker::rank {
 // 4: prefix cache (cached prefix, KV disk tier).
 // 5: speculative verification (kForwardVerified).
 // 6: allowed-token masks (structured output) in sampled and verified forwards.
-inline constexpr uint32_t kControlWireVersion = 6;
+// 7: recurrent-state snapshots (kSaveStateSnapshots, the sampling's cached state).
+inline constexpr uint32_t kControlWireVersion = 7;
 // Frames larger than this are refused (a corrupt length must not allocate).
 inline constexpr uint32_t kMaxFrameBytes = 1u << 30;
 
@@ -47,6 +48,7 @@ enum class ControlOp : uint8_t {
   kLoadKvBlocks = 8,        // EncodeKvBlockTransfers; rank 0 replies u8[] loaded flags
   kForwardVerified = 9,     // u32 n, n x {i64 seq, i32[] tokens, i32[] pages, u8 sample,
                             // i32 draft count, u32[] allowed-token mask rows}; rank 0 replies EncodeSampledRuns of the n entries
+  kSaveStateSnapshots = 10,  // EncodeStateSnapshotSaves; sequences' states -> snapshot slots
 };
 
 
@@ -129,6 +131,10 @@ absl::Status ReadStatus(WireReader& r);
 // KvBlockTransfer lists (u32 n, n x {i32 page, i64 slot, u64 hash_hi, u64 hash_lo}).
 void EncodeKvBlockTransfers(std::span<const KvBlockTransfer> transfers, WireWriter* w);
 absl::Status DecodeKvBlockTransfers(WireReader* in, std::vector<KvBlockTransfer>* out);
+
+// StateSnapshotSave lists (u32 n, n x {i64 seq, i64 slot, u64 hash_hi, u64 hash_lo}).
+void EncodeStateSnapshotSaves(std::span<const StateSnapshotSave> saves, WireWriter* w);
+absl::Status DecodeStateSnapshotSaves(WireReader* in, std::vector<StateSnapshotSave>* out);
 
 }  // namespace exl3serve::worker::rank
 

@@ -50,6 +50,9 @@ class OwningLocalExecutor final : public StepExecutor {
                             std::vector<uint8_t>* loaded) override {
     return inner_.LoadKvBlocks(loads, loaded);
   }
+  absl::Status SaveStateSnapshots(std::span<const StateSnapshotSave> saves) override {
+    return inner_.SaveStateSnapshots(saves);
+  }
   LocalStepExecutor& inner() { return inner_; }
 
  private:

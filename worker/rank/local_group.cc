@@ -447,6 +447,13 @@ absl::Status LocalGroup::SaveKvBlocks(std::span<const KvBlockTransfer> saves) {
   return RoundTrip(w.data(), step_timeout_, nullptr);
 }
 
+absl::Status LocalGroup::SaveStateSnapshots(std::span<const StateSnapshotSave> saves) {
+  WireWriter w;
+  w.U8(static_cast<uint8_t>(ControlOp::kSaveStateSnapshots));
+  EncodeStateSnapshotSaves(saves, &w);
+  return RoundTrip(w.data(), step_timeout_, nullptr);
+}
+
 absl::Status LocalGroup::LoadKvBlocks(std::span<const KvBlockTransfer> loads,
                                       std::vector<uint8_t>* loaded) {
   if (options_.kv_disk_slots <= 0) return StepExecutor::LoadKvBlocks(loads, loaded);

@@ -123,6 +123,7 @@ class LocalGroup final : public StepExecutor {
   // alone). Unavailable once the group is broken.
   absl::Status AssignPages(int64_t seq_id, std::span<const int32_t> page_ids) override;
   absl::Status SaveKvBlocks(std::span<const KvBlockTransfer> saves) override;
+  absl::Status SaveStateSnapshots(std::span<const StateSnapshotSave> saves) override;
   absl::Status LoadKvBlocks(std::span<const KvBlockTransfer> loads,
                             std::vector<uint8_t>* loaded) override;
   std::optional<KvCacheOptions> kv_options() const override { return options_.kv; }

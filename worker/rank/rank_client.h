@@ -43,7 +43,7 @@
 namespace exl3serve::worker::rank {
 
 // The rank protocol revision this binary speaks (rank.proto RANK_PROTOCOL_CURRENT).
-inline constexpr uint32_t kRankProtocolVersion = 6;
+inline constexpr uint32_t kRankProtocolVersion = 7;
 
 class RankObserver;  // rank_executor.h
 

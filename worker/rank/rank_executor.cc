@@ -114,7 +114,8 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
             absl::StrCat("sequence ", command.seq_id, " already exists"));
       }
       EXL3_RETURN_IF_ERROR(rank.cache->AddSequence(
-          command.seq_id, static_cast<int64_t>(command.sampling->cached_prefix.size())));
+          command.seq_id, static_cast<int64_t>(command.sampling->cached_prefix.size()),
+          CachedStateOf(*command.sampling)));
       if (absl::Status s = rank.sampler->AddSequence(command.seq_id, *command.sampling);
           !s.ok()) {
         (void)rank.cache->RemoveSequence(command.seq_id);
@@ -122,6 +123,8 @@ absl::Status ExecuteRankCommand(LoadedRank& rank, const RankCommand& command,
       }
       return absl::OkStatus();
     }
+    case RankCommand::Op::kSaveStateSnapshots:
+      return SaveStateSnapshots(&*rank.cache, command.snapshots);
     case RankCommand::Op::kRemoveSequence:
       rank.sampler->RemoveSequence(command.seq_id);
       return rank.cache->RemoveSequence(command.seq_id);

@@ -116,7 +116,14 @@ absl::StatusOr<LoadedRank> LoadRank(const RankSetup& setup);
 
 // One command of a driver, transport-neutral.
 struct RankCommand {
-  enum class Op { kAddSequence, kRemoveSequence, kForward, kSaveKvBlocks, kLoadKvBlocks };
+  enum class Op {
+    kAddSequence,
+    kRemoveSequence,
+    kForward,
+    kSaveKvBlocks,
+    kLoadKvBlocks,
+    kSaveStateSnapshots,
+  };
   Op op = Op::kForward;
   int64_t seq_id = 0;                  // kAddSequence, kRemoveSequence
   // kAddSequence: set for a sequence that samples on the ranks.
@@ -141,6 +148,8 @@ struct RankCommand {
   std::vector<std::vector<uint32_t>> batch_allowed;
   // kSaveKvBlocks / kLoadKvBlocks: pages <-> disk-tier slots.
   std::vector<KvBlockTransfer> transfers;
+  // kSaveStateSnapshots: sequences' states -> snapshot slots.
+  std::vector<StateSnapshotSave> snapshots;
 };
 
 // Executes `command` on `rank`. For kForward, the new pages are assigned

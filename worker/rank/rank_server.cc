@@ -136,6 +136,11 @@ absl::Status Execute(LoadedRank& rank, std::string_view frame, WireWriter* reply
       }
       return absl::OkStatus();
     }
+    case ControlOp::kSaveStateSnapshots:
+      command.op = RankCommand::Op::kSaveStateSnapshots;
+      EXL3_RETURN_IF_ERROR(DecodeStateSnapshotSaves(&in, &command.snapshots));
+      EXL3_RETURN_IF_ERROR(in.Finish("save-state-snapshots"));
+      return ExecuteRankCommand(rank, command, nullptr);
     case ControlOp::kShutdown:
       EXL3_RETURN_IF_ERROR(in.Finish("shutdown"));
       *shutdown = true;

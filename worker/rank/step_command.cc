@@ -34,6 +34,12 @@ absl::StatusOr<RankCommand> RankCommandFromStep(const pb::Step& step, uint64_t g
         command.sampling = SamplingFromProto(step.add_sequence().sampling());
         const auto& cached = step.add_sequence().cached_prefix_ids();
         command.sampling->cached_prefix.assign(cached.begin(), cached.end());
+        if (step.add_sequence().has_cached_state()) {
+          const pb::StateSnapshotRef& state = step.add_sequence().cached_state();
+          command.sampling->cached_state_slot = state.slot();
+          command.sampling->cached_state_hash_hi = state.hash_hi();
+          command.sampling->cached_state_hash_lo = state.hash_lo();
+        }
       } else if (step.add_sequence().cached_prefix_ids_size() > 0) {
         status = absl::InvalidArgumentError(absl::StrCat(
             "step ", step.step_id(), ": a cached prefix without sampling parameters"));
@@ -54,6 +60,15 @@ absl::StatusOr<RankCommand> RankCommandFromStep(const pb::Step& step, uint64_t g
       }
       break;
     }
+    case pb::Step::kSaveStateSnapshots:
+      command.op = RankCommand::Op::kSaveStateSnapshots;
+      for (const pb::StateSnapshotSave& s : step.save_state_snapshots().saves()) {
+        command.snapshots.push_back({.seq_id = s.seq_id(),
+                                     .snapshot = {.slot = s.snapshot().slot(),
+                                                  .hash_hi = s.snapshot().hash_hi(),
+                                                  .hash_lo = s.snapshot().hash_lo()}});
+      }
+      break;
     case pb::Step::kForward: {
       command.op = RankCommand::Op::kForward;
       const pb::ForwardBatch& forward = step.forward();
