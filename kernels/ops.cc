@@ -1,6 +1,5 @@
 #include "kernels/ops.h"
 
-#include <emmintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +9,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/attend_row.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/trellis_decode.h"
 
@@ -341,84 +342,34 @@ absl::Status ApplyPartialRope(float* x, int64_t tokens, int64_t heads, int64_t h
   return absl::OkStatus();
 }
 
-namespace {
-// out[l] = Σ_j w[j]·v[j·row_stride + l] for l < kLanes, ascending j, one
-// multiply then one add per term (AttendRow's value sum over a block of lanes).
-template <int kLanes>
-void WeightedValueSum(const float* w, const float* v, int64_t count, int64_t row_stride,
-                      float* out) {
-  if constexpr (kLanes % 4 == 0) {
-    // SSE2 (the x86-64 baseline): lane-wise multiply then add, exactly the
-    // scalar operations, 4 lanes an instruction.
-    constexpr int kVectors = kLanes / 4;
-    __m128 acc[kVectors];
-    for (int r = 0; r < kVectors; ++r) acc[r] = _mm_setzero_ps();
-    for (int64_t j = 0; j < count; ++j) {
-      const __m128 wj = _mm_set1_ps(w[j]);
-      const float* vj = v + j * row_stride;
-      for (int r = 0; r < kVectors; ++r) {
-        acc[r] = _mm_add_ps(acc[r], _mm_mul_ps(wj, _mm_loadu_ps(vj + 4 * r)));
-      }
-    }
-    for (int r = 0; r < kVectors; ++r) _mm_storeu_ps(out + 4 * r, acc[r]);
-  } else {
-    float acc[kLanes] = {};
-    for (int64_t j = 0; j < count; ++j) {
-      const float wj = w[j];
-      const float* vj = v + j * row_stride;
-      for (int l = 0; l < kLanes; ++l) acc[l] += wj * vj[l];
-    }
-    for (int l = 0; l < kLanes; ++l) out[l] = acc[l];
-  }
-}
-}  // namespace
-
 void AttendRow(const float* q, const float* k, const float* v, int64_t count,
                int64_t row_stride, int64_t head_dim, float scale, float* scores, float* out) {
-  // Scores: each key's dot product is one chain of multiply-then-add in
-  // ascending i (the contract; this TU is built without FMA contraction). A
-  // chain is latency-bound (~4 cycles an add), so 8 keys' chains run side
-  // by side: the same operations in the same order per key, 8x the
-  // instruction-level parallelism.
-  constexpr int64_t kKeys = 8;
-  int64_t j = 0;
-  for (; j + kKeys <= count; j += kKeys) {
-    float dot[kKeys] = {};
-    const float* kj = k + j * row_stride;
-    for (int64_t i = 0; i < head_dim; ++i) {
-      const float qi = q[i];
-      for (int64_t u = 0; u < kKeys; ++u) dot[u] += qi * kj[u * row_stride + i];
-    }
-    for (int64_t u = 0; u < kKeys; ++u) scores[j + u] = dot[u] * scale;
+  switch (cpu::ActiveCpuIsa()) {
+    case cpu::CpuIsa::kAvx512:
+      return cpu::avx512::AttendRow(q, k, v, count, row_stride, head_dim, scale, scores, out);
+    case cpu::CpuIsa::kAvx2:
+      return cpu::avx2::AttendRow(q, k, v, count, row_stride, head_dim, scale, scores, out);
+    case cpu::CpuIsa::kScalar:
+      break;
   }
-  for (; j < count; ++j) {
-    const float* kj = k + j * row_stride;
-    float dot = 0.0f;
-    for (int64_t i = 0; i < head_dim; ++i) dot += q[i] * kj[i];
-    scores[j] = dot * scale;
+  cpu::scalar::AttendRow(q, k, v, count, row_stride, head_dim, scale, scores, out);
+}
+
+void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
+                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
+                 float* out, int64_t out_stride) {
+  switch (cpu::ActiveCpuIsa()) {
+    case cpu::CpuIsa::kAvx512:
+      return cpu::avx512::AttendGroup(q, q_stride, heads, k, v, count, row_stride, head_dim, scale,
+                                      scores, out, out_stride);
+    case cpu::CpuIsa::kAvx2:
+      return cpu::avx2::AttendGroup(q, q_stride, heads, k, v, count, row_stride, head_dim, scale,
+                                    scores, out, out_stride);
+    case cpu::CpuIsa::kScalar:
+      break;
   }
-  float max_score = -INFINITY;
-  for (j = 0; j < count; ++j) max_score = std::max(max_score, scores[j]);
-  float sum = 0.0f;
-  for (j = 0; j < count; ++j) {
-    scores[j] = std::exp(scores[j] - max_score);
-    sum += scores[j];
-  }
-  for (j = 0; j < count; ++j) scores[j] /= sum;  // the weights w_j
-  // out[i] = Σ_j w_j·v_j[i], ascending j: a chain per lane i, kept in
-  // registers over a block of lanes (accumulating in `out` itself made each
-  // key wait for the previous key's store to come back).
-  int64_t i0 = 0;
-  for (; i0 + 16 <= head_dim; i0 += 16) WeightedValueSum<16>(scores, v + i0, count, row_stride, out + i0);
-  if (i0 + 8 <= head_dim) {
-    WeightedValueSum<8>(scores, v + i0, count, row_stride, out + i0);
-    i0 += 8;
-  }
-  if (i0 + 4 <= head_dim) {
-    WeightedValueSum<4>(scores, v + i0, count, row_stride, out + i0);
-    i0 += 4;
-  }
-  for (; i0 < head_dim; ++i0) WeightedValueSum<1>(scores, v + i0, count, row_stride, out + i0);
+  cpu::scalar::AttendGroup(q, q_stride, heads, k, v, count, row_stride, head_dim, scale, scores,
+                           out, out_stride);
 }
 
 absl::Status DecodeAttention(const float* q, int64_t num_seqs, const int32_t* seq_lens,

@@ -119,18 +119,34 @@ absl::Status PrefillAttention(const float* q, int64_t num_seqs, const int32_t* q
                               const int32_t* start_positions, const PagedKv& kv,
                               const AttentionParams& params, float* out);
 
-// The inner loop both attention ops (and worker/model/transformer.cc, whose
-// cache stores int8/int4 too and hands over dequantized contiguous rows) run
-// for one query head: `count` >= 1 key/value rows k + j·row_stride,
-// v + j·row_stride (j ascending) of head_dim floats;
-//   scores[j] = (Σ_i q[i]·k_j[i]) · scale    (fp32, ascending i)
+// The inner loop both attention ops (and the attention modules, whose cache
+// stores int8/int4 too and hands over dequantized contiguous rows) run for
+// one query head: `count` >= 1 key/value rows k + j·row_stride,
+// v + j·row_stride (j ascending) of head_dim floats; with F = head_dim
+// rounded down to a multiple of 16, every product rounded before its add:
+//   lane[l] = Σ_{c ascending} q[16c+l]·k_j[16c+l]  (16 lanes over [0, F))
+//   dot_j = tree(lane): pairs (l, l+8), then (l, l+4), (l, l+2), (l, l+1);
+//           then + q[i]·k_j[i] for i = F .. head_dim-1 in order
+//   scores[j] = dot_j · scale
 //   w_j = exp(scores[j] − max) / Σ exp(...)   (fp32 sum, ascending j)
 //   out[i] = Σ_j w_j · v_j[i]                 (fp32, ascending j)
+// Every variant (kernels/cpu/attend_row.h, runtime-dispatched) gives exactly
+// this, bit for bit.
 // `scores` is caller scratch of `count` floats. No validation (a kernel, not
 // an edge): Requires count >= 1, head_dim >= 1, valid pointers, out not
 // overlapping the inputs.
 void AttendRow(const float* q, const float* k, const float* v, int64_t count,
                int64_t row_stride, int64_t head_dim, float scale, float* scores, float* out);
+
+// AttendRow for `heads` query heads q + h·q_stride that read the same keys
+// and values (a GQA group at one position): out + h·out_stride is bit for bit
+// AttendRow's for head h, but each key and value row is read once for all
+// of them (at long contexts the rows come from memory, not cache, and the
+// group's heads would otherwise read them `heads` times). `scores` is
+// scratch of heads·count floats. Requires what AttendRow requires, heads >= 1.
+void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
+                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
+                 float* out, int64_t out_stride);
 
 // ---------------------------------------------------------------------------
 // Sampling, one row of logits at a time; steps 3–7 of worker/model/sampler.h

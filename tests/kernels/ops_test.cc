@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/cpu/attend_row.h"
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/trellis_decode.h"
 
 namespace exl3serve::kernels {
@@ -351,17 +353,27 @@ int32_t ReferenceDraw(const std::vector<float>& z, const SamplingFilter& f, doub
 
 // AttendRow's contract is an exact formula, not a tolerance: decode rows,
 // verify rows and prefill rows all run it, and drafted == serial decoding
-// depends on their agreeing bit for bit. The fast kernel (8 keys' dot
-// products side by side) must give exactly what the formula written out
-// one key at a time gives, on odd sizes and strides, poisoned scratch.
+// depends on their agreeing bit for bit. Every variant (vectors of 16 lanes,
+// 4 keys side by side) must give exactly what the formula written out one
+// key and one lane at a time gives, on odd sizes and strides, poisoned
+// scratch.
 void AttendRowFormula(const float* q, const float* k, const float* v, int64_t count,
                       int64_t row_stride, int64_t head_dim, float scale, float* out) {
   std::vector<float> scores(static_cast<size_t>(count));
   float max_score = -INFINITY;
+  const int64_t full = head_dim - head_dim % 16;
   for (int64_t j = 0; j < count; ++j) {
-    float dot = 0.0f;
-    for (int64_t i = 0; i < head_dim; ++i) {
+    float lane[16] = {};
+    for (int64_t i = 0; i < full; ++i) {
       const volatile float product = q[i] * k[j * row_stride + i];  // no contraction
+      lane[i % 16] += product;
+    }
+    for (int width = 8; width >= 1; width /= 2) {
+      for (int l = 0; l < width; ++l) lane[l] = lane[l] + lane[l + width];
+    }
+    float dot = lane[0];
+    for (int64_t i = full; i < head_dim; ++i) {
+      const volatile float product = q[i] * k[j * row_stride + i];
       dot += product;
     }
     scores[j] = dot * scale;
@@ -384,7 +396,7 @@ void AttendRowFormula(const float* q, const float* k, const float* v, int64_t co
 
 TEST(OpsTest, AttendRowIsBitwiseTheFormulaKeyByKey) {
   std::mt19937 rng(TestSeed());
-  std::uniform_int_distribution<int64_t> count_dist(1, 300), dim_dist(1, 70), extra_dist(0, 9);
+  std::uniform_int_distribution<int64_t> count_dist(1, 300), dim_dist(1, 300), extra_dist(0, 9);
   for (int trial = 0; trial < 200; ++trial) {
     const int64_t count = trial < 20 ? trial + 1 : count_dist(rng);  // every tail length
     const int64_t head_dim = dim_dist(rng);
@@ -396,14 +408,65 @@ TEST(OpsTest, AttendRowIsBitwiseTheFormulaKeyByKey) {
     std::vector<float> scratch(static_cast<size_t>(count), kPoison);
     std::vector<float> fast(static_cast<size_t>(head_dim), kPoison);
     std::vector<float> formula(static_cast<size_t>(head_dim), kPoison);
-    AttendRow(q.data(), k.data(), v.data(), count, row_stride, head_dim, scale, scratch.data(),
-              fast.data());
     AttendRowFormula(q.data(), k.data(), v.data(), count, row_stride, head_dim, scale,
                      formula.data());
-    for (int64_t i = 0; i < head_dim; ++i) {
-      ASSERT_EQ(std::bit_cast<uint32_t>(fast[i]), std::bit_cast<uint32_t>(formula[i]))
-          << "count " << count << " head_dim " << head_dim << " stride " << row_stride << " i "
-          << i << ": " << fast[i] << " vs " << formula[i];
+    // The dispatched kernel and every variant this CPU runs.
+    struct Variant {
+      const char* name;
+      bool runs;
+      void (*fn)(const float*, const float*, const float*, int64_t, int64_t, int64_t, float,
+                 float*, float*);
+    };
+    const Variant variants[] = {{"dispatched", true, &AttendRow},
+                                {"scalar", true, &cpu::scalar::AttendRow},
+                                {"avx2", cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx2), &cpu::avx2::AttendRow},
+                                {"avx512", cpu::CpuSupportsIsa(cpu::CpuIsa::kAvx512),
+                                 &cpu::avx512::AttendRow}};
+    for (const Variant& variant : variants) {
+      if (!variant.runs) continue;
+      std::fill(scratch.begin(), scratch.end(), kPoison);
+      std::fill(fast.begin(), fast.end(), kPoison);
+      variant.fn(q.data(), k.data(), v.data(), count, row_stride, head_dim, scale, scratch.data(),
+                 fast.data());
+      for (int64_t i = 0; i < head_dim; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(fast[i]), std::bit_cast<uint32_t>(formula[i]))
+            << variant.name << ": count " << count << " head_dim " << head_dim << " stride "
+            << row_stride << " i " << i << ": " << fast[i] << " vs " << formula[i];
+      }
+    }
+  }
+}
+
+TEST(OpsTest, AttendGroupIsBitwiseTheFormulaForEveryHead) {
+  // Up to 11 heads (two passes of the value sums), odd sizes and strides.
+  std::mt19937 rng(TestSeed() + 1);
+  std::uniform_int_distribution<int64_t> count_dist(1, 200), dim_dist(1, 150), extra_dist(0, 5),
+      heads_dist(1, 11);
+  for (int trial = 0; trial < 80; ++trial) {
+    const int64_t count = count_dist(rng), head_dim = dim_dist(rng), heads = heads_dist(rng);
+    const int64_t row_stride = head_dim + extra_dist(rng);
+    const int64_t q_stride = head_dim + extra_dist(rng), out_stride = head_dim + extra_dist(rng);
+    const std::vector<float> q = RandomVector(rng, static_cast<size_t>(heads * q_stride), -3.0f, 3.0f);
+    const std::vector<float> k = RandomVector(rng, static_cast<size_t>(count * row_stride));
+    const std::vector<float> v = RandomVector(rng, static_cast<size_t>(count * row_stride));
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    std::vector<float> scratch(static_cast<size_t>(heads * count), kPoison);
+    std::vector<float> out(static_cast<size_t>(heads * out_stride), kPoison);
+    AttendGroup(q.data(), q_stride, heads, k.data(), v.data(), count, row_stride, head_dim, scale,
+                scratch.data(), out.data(), out_stride);
+    std::vector<float> formula(static_cast<size_t>(head_dim));
+    for (int64_t h = 0; h < heads; ++h) {
+      AttendRowFormula(q.data() + h * q_stride, k.data(), v.data(), count, row_stride, head_dim,
+                       scale, formula.data());
+      for (int64_t i = 0; i < head_dim; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[h * out_stride + i]), std::bit_cast<uint32_t>(formula[i]))
+            << "heads " << heads << " head " << h << " count " << count << " head_dim "
+            << head_dim << " i " << i;
+      }
+      // The padding between heads' rows is left alone.
+      for (int64_t i = head_dim; i < out_stride; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[h * out_stride + i]), std::bit_cast<uint32_t>(kPoison));
+      }
     }
   }
 }

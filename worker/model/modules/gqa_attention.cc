@@ -136,23 +136,64 @@ absl::Status GqaAttention::Attend(const StepBatch& step, PagedKvCache* cache, fl
     const int64_t end = start + n;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
     const int64_t ctx = end - lo;
-    std::vector<float> keys(ctx * nkv * hd), values(ctx * nkv * hd);
+    // Reused from call to call (a long context's copy would otherwise be
+    // fresh pages to fault in at every layer of every step); it keeps the
+    // largest context seen: one layer of one sequence in fp32, twice that
+    // layer's fp16 KV.
+    thread_local std::vector<float> keys, values;
+    if (keys.size() < static_cast<size_t>(ctx * nkv * hd)) {
+      keys.resize(static_cast<size_t>(ctx * nkv * hd));
+      values.resize(keys.size());
+    }
     cache->Read(step.batch[b].seq_id, kv_layer_, lo, end, keys.data(), values.data());
+    // (Pointers: the pool's threads would see their own thread_local vectors.)
+    const float* key_rows = keys.data();
+    const float* value_rows = values.data();
 
-    std::vector<std::vector<float>> scratch(pool.size(), std::vector<float>(ctx));
+    // The local query heads as runs that share a KV head (a GQA group, or
+    // the part of one this rank holds), cut into as many tasks as the pool
+    // has threads when there are few: each task reads its keys and values
+    // once for all of its heads (kernels::AttendGroup, bit for bit
+    // AttendRow per head).
+    struct HeadRun {
+      int64_t first_head = 0, heads = 0, kv = 0;
+    };
+    std::vector<HeadRun> runs;
+    for (int64_t head = 0; head < nh; ++head) {
+      const int64_t g = (q_head_begin_ + head) / group - kv_head_begin_;
+      if (runs.empty() || runs.back().kv != g) runs.push_back({head, 0, g});
+      ++runs.back().heads;
+    }
+    int64_t per_task = 1;
+    for (const HeadRun& r : runs) per_task = std::max(per_task, r.heads);
+    while (per_task > 1 && n * static_cast<int64_t>(runs.size()) * ((group + per_task - 1) / per_task) <
+                               static_cast<int64_t>(pool.size())) {
+      per_task = (per_task + 1) / 2;
+    }
+    std::vector<HeadRun> tasks;
+    for (const HeadRun& r : runs) {
+      for (int64_t h = 0; h < r.heads; h += per_task) {
+        tasks.push_back({r.first_head + h, std::min(per_task, r.heads - h), r.kv});
+      }
+    }
+    std::vector<std::vector<float>> scores(pool.size());
     float* ob = out + row0 * nh * hd;
-    pool.ParallelFor(n * nh, 0, [&](int64_t task, int worker) {
-      const int64_t t = task / nh, head = task % nh;
+    const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+    pool.ParallelFor(n * num_tasks, 0, [&](int64_t task, int worker) {
+      const int64_t t = task / num_tasks;
+      const HeadRun& r = tasks[task % num_tasks];
       const int64_t pos = start + t;
       const int64_t first = window > 0 ? std::max(lo, pos - window + 1) : lo;
-      const int64_t g = (q_head_begin_ + head) / group - kv_head_begin_;
+      const int64_t count = pos - first + 1;
+      std::vector<float>& s = scores[worker];
+      if (s.size() < static_cast<size_t>(r.heads * count)) s.resize(static_cast<size_t>(r.heads * ctx));
       // The cache stores int8/int4 too, so it hands over dequantized
       // contiguous rows; the paged kernels::DecodeAttention /
-      // PrefillAttention (fp16/fp32 pages) run this same row kernel.
-      kernels::AttendRow(qb + (t * nh + head) * hd, keys.data() + ((first - lo) * nkv + g) * hd,
-                         values.data() + ((first - lo) * nkv + g) * hd, pos - first + 1,
-                         nkv * hd, hd, scale, scratch[worker].data(),
-                         ob + (t * nh + head) * hd);
+      // PrefillAttention (fp16/fp32 pages) run the same row kernel.
+      kernels::AttendGroup(qb + (t * nh + r.first_head) * hd, hd, r.heads,
+                           key_rows + ((first - lo) * nkv + r.kv) * hd,
+                           value_rows + ((first - lo) * nkv + r.kv) * hd, count, nkv * hd, hd,
+                           scale, s.data(), ob + (t * nh + r.first_head) * hd, hd);
     });
     row0 += n;
   }

@@ -1,0 +1,21 @@
+// The scalar (x86-64 baseline) variant of kernels::AttendRow (attend_row.h);
+// the dispatcher is kernels::AttendRow in ops.cc.
+#include "kernels/cpu/attend_row.h"
+
+#include "kernels/cpu/attend_row_inl.h"
+
+namespace exl3serve::kernels::cpu::scalar {
+
+void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
+               int64_t head_dim, float scale, float* scores, float* out) {
+  internal::AttendRowBody(q, k, v, count, row_stride, head_dim, scale, scores, out);
+}
+
+void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
+                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
+                 float* out, int64_t out_stride) {
+  internal::AttendGroupBody(q, q_stride, heads, k, v, count, row_stride, head_dim, scale, scores,
+                            out, out_stride);
+}
+
+}  // namespace exl3serve::kernels::cpu::scalar

@@ -1,0 +1,162 @@
+// kernels/cpu/attend_row_inl.h — the one body of every AttendRow variant
+// (attend_row.h), included by each ISA's translation unit and compiled there
+// with -ffp-contract=off. The arithmetic is written on 16-lane vectors (GCC
+// vector extensions): each ISA splits them into its own registers, but every
+// lane's operations and every reduction are the same, so the results are too.
+// Not a public header.
+#ifndef EXL3SERVE_KERNELS_CPU_ATTEND_ROW_INL_H_
+#define EXL3SERVE_KERNELS_CPU_ATTEND_ROW_INL_H_
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace exl3serve::kernels::cpu::internal {
+
+typedef float AttendV16 __attribute__((vector_size(64)));
+
+inline AttendV16 AttendLoad16(const float* p) {
+  AttendV16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// lane[0] + ... + lane[15] as the tree (l, l+8), (l, l+4), (l, l+2), (l, l+1).
+inline float AttendReduce16(AttendV16 a) {
+  a = a + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  a = a + __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  a = a + __builtin_shufflevector(a, a, 2, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  a = a + __builtin_shufflevector(a, a, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return a[0];
+}
+
+// The dot products of q with `keys` (<= 4) rows k + u·row_stride: 16 lane
+// sums over the blocks of 16, reduced as a tree, then the tail in order.
+template <int kKeys>
+inline void AttendDots(const float* q, const float* k, int64_t row_stride, int64_t head_dim,
+                       float scale, float* scores) {
+  const int64_t full = head_dim - head_dim % 16;
+  AttendV16 acc[kKeys];
+  for (int u = 0; u < kKeys; ++u) acc[u] = AttendV16{};
+  for (int64_t i = 0; i < full; i += 16) {
+    const AttendV16 qi = AttendLoad16(q + i);
+    for (int u = 0; u < kKeys; ++u) acc[u] = acc[u] + qi * AttendLoad16(k + u * row_stride + i);
+  }
+  for (int u = 0; u < kKeys; ++u) {
+    float dot = AttendReduce16(acc[u]);
+    const float* ku = k + u * row_stride;
+    for (int64_t i = full; i < head_dim; ++i) dot = dot + q[i] * ku[i];
+    scores[u] = dot * scale;
+  }
+}
+
+// out[h][i] = Σ_j w[h][j]·v_j[i] for `heads` (<= 8) heads at once, ascending
+// j per lane: each value row is loaded once for all of them. kVecs blocks of
+// 16 lanes per pass (more independent chains when there are few heads).
+template <int kHeads, int kVecs>
+inline void AttendValueSums(const float* w, int64_t w_stride, const float* v, int64_t count,
+                            int64_t row_stride, int64_t head_dim, float* out, int64_t out_stride,
+                            int64_t* lane) {
+  constexpr int64_t kLanes = 16 * kVecs;
+  for (; *lane + kLanes <= head_dim; *lane += kLanes) {
+    const int64_t i0 = *lane;
+    AttendV16 acc[kHeads][kVecs];
+    for (int h = 0; h < kHeads; ++h) {
+      for (int r = 0; r < kVecs; ++r) acc[h][r] = AttendV16{};
+    }
+    for (int64_t j = 0; j < count; ++j) {
+      const float* vj = v + j * row_stride + i0;
+      AttendV16 x[kVecs];
+      for (int r = 0; r < kVecs; ++r) x[r] = AttendLoad16(vj + 16 * r);
+      for (int h = 0; h < kHeads; ++h) {
+        const AttendV16 wj = AttendV16{} + w[h * w_stride + j];
+        for (int r = 0; r < kVecs; ++r) acc[h][r] = acc[h][r] + wj * x[r];
+      }
+    }
+    for (int h = 0; h < kHeads; ++h) {
+      for (int r = 0; r < kVecs; ++r) std::memcpy(out + h * out_stride + i0 + 16 * r, &acc[h][r], 64);
+    }
+  }
+}
+
+template <int kHeads>
+inline void AttendValueSumsAllLanes(const float* w, int64_t w_stride, const float* v, int64_t count,
+                                    int64_t row_stride, int64_t head_dim, float* out,
+                                    int64_t out_stride) {
+  int64_t lane = 0;
+  if constexpr (kHeads < 4) {
+    AttendValueSums<kHeads, 4>(w, w_stride, v, count, row_stride, head_dim, out, out_stride, &lane);
+  }
+  AttendValueSums<kHeads, 1>(w, w_stride, v, count, row_stride, head_dim, out, out_stride, &lane);
+  if (lane < head_dim) {  // the last head_dim % 16 lanes
+    const int64_t lanes = head_dim - lane;
+    for (int h = 0; h < kHeads; ++h) {
+      float tail[16] = {};
+      for (int64_t j = 0; j < count; ++j) {
+        const float* vj = v + j * row_stride + lane;
+        const float wj = w[h * w_stride + j];
+        for (int64_t l = 0; l < lanes; ++l) tail[l] = tail[l] + wj * vj[l];
+      }
+      for (int64_t l = 0; l < lanes; ++l) out[h * out_stride + lane + l] = tail[l];
+    }
+  }
+}
+
+// `heads` query heads (rows q + h·q_stride) over the same keys and values:
+// each head's output (out + h·out_stride) is exactly AttendRow's for it;
+// `scores` is scratch of heads·count floats.
+inline void AttendGroupBody(const float* q, int64_t q_stride, int64_t heads, const float* k,
+                            const float* v, int64_t count, int64_t row_stride, int64_t head_dim,
+                            float scale, float* scores, float* out, int64_t out_stride) {
+  // Scores: a block of 4 keys stays in L1 while every head takes its dots.
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    for (int64_t h = 0; h < heads; ++h) {
+      AttendDots<4>(q + h * q_stride, k + j * row_stride, row_stride, head_dim, scale,
+                    scores + h * count + j);
+    }
+  }
+  for (; j < count; ++j) {
+    for (int64_t h = 0; h < heads; ++h) {
+      AttendDots<1>(q + h * q_stride, k + j * row_stride, row_stride, head_dim, scale,
+                    scores + h * count + j);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * count;
+    float max_score = -INFINITY;
+    for (j = 0; j < count; ++j) max_score = std::max(max_score, s[j]);
+    float sum = 0.0f;
+    for (j = 0; j < count; ++j) {
+      s[j] = std::exp(s[j] - max_score);
+      sum += s[j];
+    }
+    for (j = 0; j < count; ++j) s[j] /= sum;  // the weights w_j
+  }
+  // Values, up to 8 heads per pass over the rows.
+  for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+    const float* w = scores + h0 * count;
+    float* o = out + h0 * out_stride;
+    switch (std::min<int64_t>(8, heads - h0)) {
+      case 8: AttendValueSumsAllLanes<8>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 7: AttendValueSumsAllLanes<7>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 6: AttendValueSumsAllLanes<6>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 5: AttendValueSumsAllLanes<5>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 4: AttendValueSumsAllLanes<4>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 3: AttendValueSumsAllLanes<3>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      case 2: AttendValueSumsAllLanes<2>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+      default: AttendValueSumsAllLanes<1>(w, count, v, count, row_stride, head_dim, o, out_stride); break;
+    }
+  }
+}
+
+inline void AttendRowBody(const float* q, const float* k, const float* v, int64_t count,
+                          int64_t row_stride, int64_t head_dim, float scale, float* scores,
+                          float* out) {
+  AttendGroupBody(q, head_dim, 1, k, v, count, row_stride, head_dim, scale, scores, out, head_dim);
+}
+
+}  // namespace exl3serve::kernels::cpu::internal
+
+#endif  // EXL3SERVE_KERNELS_CPU_ATTEND_ROW_INL_H_
