@@ -389,9 +389,13 @@ absl::StatusOr<ModelArch> ModelArchFromConfig(const nlohmann::json& root) {
       if (auto s = read(key, out); !s.ok()) return s;
       if (*out > kMaxConfigWidth) return OverLimit(key, *out, "kMaxConfigWidth", kMaxConfigWidth);
     }
-    if (arch.gdn_value_dim > 1024) {  // kernels::kGatedDeltaRuleMaxDv
-      return absl::InvalidArgumentError(absl::StrCat(
-          "config.json: `linear_value_head_dim` = ", arch.gdn_value_dim, " is over 1024"));
+    // kernels::kGatedDeltaChunkMaxDim (the recurrence's scratch is on the stack).
+    for (const auto& [key, dim] : {std::pair<const char*, int64_t>{"linear_key_head_dim", arch.gdn_key_dim},
+                                   {"linear_value_head_dim", arch.gdn_value_dim}}) {
+      if (dim > 512) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config.json: `", key, "` = ", dim, " is over 512"));
+      }
     }
     if (arch.gdn_value_heads % arch.gdn_key_heads != 0) {
       return absl::InvalidArgumentError(absl::StrCat(

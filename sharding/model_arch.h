@@ -154,13 +154,15 @@ struct ModelArch {
     return false;
   }
   // Bytes of that state per sequence over all ranks: per Gated DeltaNet layer
-  // the last K−1 conv inputs and one [dk][dv] matrix per value head, fp32.
+  // the last K−1 conv inputs and, per value head, a [dk][dv] matrix and the
+  // open chunk's 15 rows of dk + dv + 1 (kernels::GatedDeltaHeadStateFloats,
+  // chunks of 16), fp32.
   int64_t recurrent_state_bytes_per_sequence() const {
     int64_t bytes = 0;
     for (const LayerRecipe& l : layers) {
       if (l.mixer != TokenMixerKind::kGatedDeltaNet) continue;
-      bytes += 4 * ((gdn_conv_kernel - 1) * gdn_conv_dim() +
-                    gdn_value_heads * gdn_key_dim * gdn_value_dim);
+      const int64_t head = gdn_key_dim * gdn_value_dim + 15 * (gdn_key_dim + gdn_value_dim + 1);
+      bytes += 4 * ((gdn_conv_kernel - 1) * gdn_conv_dim() + gdn_value_heads * head);
     }
     return bytes;
   }

@@ -13,6 +13,10 @@
 #include <cstring>
 
 namespace exl3serve::kernels::cpu::internal {
+// Internal linkage: each ISA's translation unit keeps its own copy (an inline
+// function shared by name would be merged across them by the linker, and a
+// variant would run another ISA's code).
+namespace {
 
 typedef float AttendV16 __attribute__((vector_size(64)));
 
@@ -157,6 +161,7 @@ inline void AttendRowBody(const float* q, const float* k, const float* v, int64_
   AttendGroupBody(q, head_dim, 1, k, v, count, row_stride, head_dim, scale, scores, out, head_dim);
 }
 
+}  // namespace
 }  // namespace exl3serve::kernels::cpu::internal
 
 #endif  // EXL3SERVE_KERNELS_CPU_ATTEND_ROW_INL_H_

@@ -11,6 +11,10 @@
 #include "kernels/cpu/gated_delta_rule.h"
 
 namespace exl3serve::kernels::cpu::internal {
+// Internal linkage: each ISA's translation unit keeps its own copy (an inline
+// function shared by name would be merged across them by the linker, and a
+// variant would run another ISA's code).
+namespace {
 
 inline void GatedDeltaRuleBody(int64_t tokens, int64_t dk, int64_t dv, const float* q,
                                int64_t q_stride, const float* k, int64_t k_stride, const float* v,
@@ -52,6 +56,7 @@ inline void GatedDeltaRuleBody(int64_t tokens, int64_t dk, int64_t dv, const flo
   }
 }
 
+}  // namespace
 }  // namespace exl3serve::kernels::cpu::internal
 
 #endif  // EXL3SERVE_KERNELS_CPU_GATED_DELTA_RULE_INL_H_

@@ -10,6 +10,10 @@
 #include "kernels/cpu/trellis_gemm_internal.h"
 
 namespace exl3serve::kernels::cpu::avx512_inl {
+// Internal linkage: each ISA's translation unit keeps its own copy (an inline
+// function shared by name would be merged across them by the linker, and a
+// variant would run another ISA's code).
+namespace {
 
 // mul1 weight from t: exact v = (1774 t - 905216)·2^-18, then RNE to fp16
 // precision without leaving fp32 (Veltkamp split with 2^13 + 1: c = 8193·v,
@@ -29,6 +33,7 @@ inline __m512 Mul1WeightFromMagic(__m512 tbits) {
   return _mm512_sub_round_ps(c, _mm512_sub_round_ps(c, v, kRound), kRound);
 }
 
+}  // namespace
 }  // namespace exl3serve::kernels::cpu::avx512_inl
 
 #endif  // EXL3SERVE_KERNELS_CPU_TRELLIS_GEMM_AVX512_INL_H_

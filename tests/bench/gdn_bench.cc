@@ -1,9 +1,10 @@
 // Gated DeltaNet hybrids (issue 36) on this machine, measured in one run:
 //
-// 1. The recurrence kernel (kernels::GatedDeltaRule) of one layer of the
-//    Qwen3.5-27B shape (48 value heads of dk = dv = 128) and the 35B-A3B shape
-//    (32 heads), on all threads: tokens/s fed token by token (as decode and
-//    today's prefill run it) and the state bytes it touches per second.
+// 1. The recurrence of one layer of the Qwen3.5-27B shape (48 value heads of
+//    dk = dv = 128) and the 35B-A3B shape (32 heads), on all threads, over
+//    2 048 tokens: the chunked form the model runs (kernels::GatedDeltaChunked)
+//    in one call (prefill) and one token per call (decode), against the
+//    recurrent form token by token (kernels::GatedDeltaRule; goal: >= 10x).
 // 2. A bench model with the real per-layer shapes of Qwen3.5-35B-A3B (hidden
 //    2048; gated attention 16 / 2 heads of 256, 64 dims rotated; Gated
 //    DeltaNet Hk 16, Hv 32, dk = dv = 128, conv 4; MoE top-8 of width 512 and
@@ -24,6 +25,7 @@
 // written to --work (default: a temp dir, removed) and reused when present.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -34,9 +36,10 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cpu/cpu_features.h"
+#include "kernels/cpu/gated_delta_chunk.h"
+#include "kernels/cpu/gated_delta_rule.h"
 #include "kernels/cpu/thread_pool.h"
 #include "sharding/test_model.h"
-#include "worker/model/modules/gated_deltanet.h"
 #include "worker/model/transformer.h"
 
 namespace exl3serve {
@@ -48,28 +51,62 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Tokens/s of the recurrence over `tokens` tokens fed one at a time (each
-// call one token, as decode and today's prefill run it), all heads in parallel.
-double RecurrenceTokensPerSecond(int64_t heads, int64_t dk, int64_t dv, int64_t tokens) {
-  kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
+// The inputs of one layer's recurrence: `tokens` tokens of `heads` value
+// heads (each head its own q, k, v, gate, β rows).
+struct RecurrenceInputs {
+  int64_t heads, dk, dv, tokens;
+  std::vector<float> q, k, v, g, decay, beta;
+};
+
+RecurrenceInputs MakeInputs(int64_t heads, int64_t dk, int64_t dv, int64_t tokens) {
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> q(tokens * dk), k(tokens * dk), v(tokens * dv), decay(tokens), beta(tokens);
-  for (float& x : q) x = normal(rng) / std::sqrt(static_cast<float>(dk * dk));
-  for (float& x : k) x = normal(rng) / std::sqrt(static_cast<float>(dk));
-  for (float& x : v) x = normal(rng);
-  for (float& x : decay) x = 0.95f;
-  for (float& x : beta) x = 0.5f;
-  std::vector<float> state(heads * dk * dv, 0.0f), o(heads * tokens * dv);
+  RecurrenceInputs in{heads, dk, dv, tokens, {}, {}, {}, {}, {}, {}};
+  in.q.resize(tokens * dk);
+  in.k.resize(tokens * dk);
+  in.v.resize(tokens * dv);
+  for (float& x : in.q) x = normal(rng) / std::sqrt(static_cast<float>(dk * dk));
+  for (float& x : in.k) x = normal(rng) / std::sqrt(static_cast<float>(dk));
+  for (float& x : in.v) x = normal(rng);
+  in.g.assign(tokens, std::log(0.95f));
+  in.decay.assign(tokens, 0.95f);
+  in.beta.assign(tokens, 0.5f);
+  return in;
+}
+
+// Tokens/s of one layer's recurrence, all heads in parallel on the pool:
+// `per_call` tokens per call (1: as decode runs; tokens: one prefill call),
+// in the chunked form (kernels::GatedDeltaChunked, what the model runs) or
+// the recurrent form token by token (kernels::GatedDeltaRule, the reference
+// recurrence: S read and written twice per token). Also the checksum of the
+// outputs, so that the forms can be compared.
+double RecurrenceTokensPerSecond(const RecurrenceInputs& in, int64_t per_call, bool chunked,
+                                 double* checksum) {
+  kernels::cpu::ThreadPool& pool = kernels::cpu::SharedThreadPool();
+  const int64_t dk = in.dk, dv = in.dv, tokens = in.tokens;
+  const int64_t head_floats =
+      chunked ? kernels::GatedDeltaHeadStateFloats(dk, dv) : dk * dv;
+  std::vector<float> state(in.heads * head_floats, 0.0f), o(in.heads * tokens * dv);
   const auto t0 = Clock::now();
-  for (int64_t t = 0; t < tokens; ++t) {
-    pool.ParallelFor(heads, 0, [&](int64_t h, int) {
-      worker::GatedDeltaNet::Recurrence(1, dk, dv, &q[t * dk], dk, &k[t * dk], dk, &v[t * dv], dv,
-                                        &decay[t], &beta[t], 1, &state[h * dk * dv],
-                                        &o[(h * tokens + t) * dv], dv);
+  for (int64_t t = 0; t < tokens; t += per_call) {
+    const int64_t n = std::min(per_call, tokens - t);
+    pool.ParallelFor(in.heads, 0, [&](int64_t h, int) {
+      float* out = &o[(h * tokens + t) * dv];
+      if (chunked) {
+        kernels::GatedDeltaChunked(t, n, dk, dv, &in.q[t * dk], dk, &in.k[t * dk], dk,
+                                   &in.v[t * dv], dv, &in.g[t], &in.beta[t], 1,
+                                   &state[h * head_floats], out, dv, nullptr, 0);
+      } else {
+        kernels::GatedDeltaRule(n, dk, dv, &in.q[t * dk], dk, &in.k[t * dk], dk, &in.v[t * dv],
+                                dv, &in.decay[t], &in.beta[t], 1, &state[h * head_floats], out,
+                                dv, nullptr, 0);
+      }
     });
   }
-  return static_cast<double>(tokens) / Seconds(t0, Clock::now());
+  const double rate = static_cast<double>(tokens) / Seconds(t0, Clock::now());
+  *checksum = 0.0;
+  for (float x : o) *checksum += x;
+  return rate;
 }
 
 int32_t ArgMax(const std::vector<float>& row) {
@@ -111,19 +148,33 @@ int Main(int argc, char** argv) {
   const bool temp = work.empty();
   if (temp) work = std::filesystem::temp_directory_path() / ("gdn_bench." + std::to_string(getpid()));
 
-  // 1. The recurrence kernel: each token reads and writes every head's
-  // state twice (decay + Sᵀk, then the update + Sᵀq): 16·dk·dv bytes per head.
-  std::printf("recurrence, %d threads (kernels::GatedDeltaRule, %s variant):\n\n",
+  // 1. One layer's recurrence (all its value heads): the chunked form fed
+  // 2 048 tokens in one call (prefill) and one token per call (decode),
+  // against the recurrent form token by token.
+  std::printf("recurrence of one layer, %d threads (%s variants), 2048 tokens:\n\n",
               kernels::cpu::SharedThreadPool().size(),
               std::string(kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())).c_str());
-  std::printf("| layer shape | heads x dk x dv | state MiB | tok/s (token by token) | state GB/s touched |\n");
-  std::printf("|---|---|---|---|---|\n");
+  std::printf("| layer shape | heads x dk x dv | state MiB | recurrent, token by token | "
+              "chunked, token by token | chunked, 2048 at once | at once / recurrent | "
+              "outputs differ (rel.) |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
   for (auto [name, heads] : {std::pair<const char*, int64_t>{"Qwen3.5-27B", 48}, {"Qwen3.5-35B-A3B", 32}}) {
-    const int64_t tokens = 512;
-    const double rate = RecurrenceTokensPerSecond(heads, 128, 128, tokens);
-    const double state = 4.0 * heads * 128 * 128;
-    std::printf("| %s | %lld x 128 x 128 | %.1f | %.0f | %.1f |\n", name,
-                static_cast<long long>(heads), state / 1048576.0, rate, 4.0 * state * rate / 1e9);
+    const int64_t tokens = quick ? 512 : 2048;
+    const RecurrenceInputs in = MakeInputs(heads, 128, 128, tokens);
+    double sum_recurrent = 0, sum_each = 0, sum_once = 0;
+    const double recurrent = RecurrenceTokensPerSecond(in, 1, false, &sum_recurrent);
+    const double each = RecurrenceTokensPerSecond(in, 1, true, &sum_each);
+    const double once = RecurrenceTokensPerSecond(in, tokens, true, &sum_once);
+    if (sum_each != sum_once) {
+      std::fprintf(stderr, "chunked outputs differ between one call and token by token\n");
+      return 1;
+    }
+    const double state = 4.0 * heads * kernels::GatedDeltaHeadStateFloats(128, 128);
+    std::printf("| %s | %lld x 128 x 128 | %.2f | %.0f tok/s | %.0f tok/s | %.0f tok/s | "
+                "**%.1fx** | %.1e |\n",
+                name, static_cast<long long>(heads), state / 1048576.0, recurrent, each, once,
+                once / recurrent,
+                std::abs(sum_once - sum_recurrent) / std::max(1e-30, std::abs(sum_recurrent)));
   }
 
   // 2. The bench model.

@@ -74,12 +74,14 @@ held, most = int(server.get("state_snapshots", 0)), int(server.get("state_snapsh
 assert saves >= 1 and hits >= 1 and 1 <= held <= most, server
 print(f"GetServerInfo: prefix caching on; state snapshots {held} held of {most}, {saves} taken, {hits} resumed")
 # The recurrent state per sequence, computed here from config.json: per
-# linear-attention layer (K-1) conv inputs of 2*Hk*dk + Hv*dv channels and
-# Hv matrices of dk x dv, fp32.
+# linear-attention layer (K-1) conv inputs of 2*Hk*dk + Hv*dv channels and,
+# per value head, a dk x dv matrix and the open chunk's 15 rows of k (dk),
+# u (dv) and a gate (chunks of 16), fp32.
 t = json.load(open(sys.argv[2]))["text_config"]
 conv = 2 * t["linear_num_key_heads"] * t["linear_key_head_dim"] + t["linear_num_value_heads"] * t["linear_value_head_dim"]
+dk, dv = t["linear_key_head_dim"], t["linear_value_head_dim"]
 per_layer = 4 * ((t["linear_conv_kernel_dim"] - 1) * conv +
-                 t["linear_num_value_heads"] * t["linear_key_head_dim"] * t["linear_value_head_dim"])
+                 t["linear_num_value_heads"] * (dk * dv + 15 * (dk + dv + 1)))
 want = per_layer * t["layer_types"].count("linear_attention")
 server = info.get("server", info)
 got = int(server.get("recurrent_state_bytes_per_sequence", 0))

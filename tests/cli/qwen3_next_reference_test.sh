@@ -31,9 +31,10 @@ TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 REF="$SRC/tests/reference/qwen3_next_forward.py"
 # fp32 activations and state vs float64, same bf16 weights: measured max
-# 2.5e-5 / mean 2.7e-6 (qwen3-next), 6.5e-6 / 8.4e-7 (qwen3.5), 9.3e-6 /
-# 1.4e-6 (qwen3.5-moe), seed 5.
-REL_MAX=6e-5
+# 1.66e-5 / mean 2.45e-6 (qwen3-next), 5.2e-6 / 8.2e-7 (qwen3.5), 8.1e-6 /
+# 1.3e-6 (qwen3.5-moe), seed 5, with the chunked recurrence (its in-chunk sums
+# in float64; the recurrent form with float64 dots gave 2.5e-5 / 6.5e-6 / 9.3e-6).
+REL_MAX=4e-5
 REL_MEAN=6e-6
 PROMPT=1,17,202,5,99,3,250,7,61,128,33,4,190,8,77,11,2
 STEPS=64

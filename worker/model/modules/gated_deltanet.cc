@@ -6,7 +6,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "kernels/cpu/gated_delta_rule.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace exl3serve::worker {
@@ -151,15 +150,6 @@ absl::Status GatedDeltaNet::Project(const StepBatch& step, const float* x, float
   return a_.Forward(x, total, a, step.plan);
 }
 
-void GatedDeltaNet::Recurrence(int64_t tokens, int64_t dk, int64_t dv, const float* q,
-                               int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-                               int64_t v_stride, const float* decay, const float* beta,
-                               int64_t gb_stride, float* state, float* o, int64_t o_stride,
-                               float* history, int64_t history_stride) {
-  kernels::GatedDeltaRule(tokens, dk, dv, q, q_stride, k, k_stride, v, v_stride, decay, beta,
-                          gb_stride, state, o, o_stride, history, history_stride);
-}
-
 absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, PagedKvCache* cache,
                                     float* out) const {
   const int64_t hidden = context_.config->arch.hidden_size;
@@ -210,8 +200,8 @@ absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, Paged
                     sizeof(float) * history * channels);
       }
     }
-    // q̂, k̂ per key head; β and the decay per value head.
-    std::vector<float> decay(static_cast<size_t>(n * nv_)), beta(decay.size());
+    // q̂, k̂ per key head; β and g (the log of the decay) per value head.
+    std::vector<float> gate(static_cast<size_t>(n * nv_)), beta(gate.size());
     for (int64_t t = 0; t < n; ++t) {
       float* row = &act[t * channels];
       for (int64_t j = 0; j < nk_; ++j) {
@@ -221,17 +211,20 @@ absl::Status GatedDeltaNet::Forward(const StepBatch& step, const float* x, Paged
       for (int64_t h = 0; h < nv_; ++h) {
         const int64_t i = (row0 + t) * nv_ + h;
         beta[t * nv_ + h] = Sigmoid(b[i]);
-        decay[t * nv_ + h] = std::exp(neg_a_[h] * Softplus(a[i] + dt_bias_[h]));
+        gate[t * nv_ + h] = neg_a_[h] * Softplus(a[i] + dt_bias_[h]);
       }
     }
     // The recurrence, each value head on its own (its own state).
     std::vector<float> o(static_cast<size_t>(n * value));
+    const int64_t head_floats = kernels::GatedDeltaHeadStateFloats(dk_, dv_);
+    const int64_t position = step.starts[e];
     pool.ParallelFor(nv_, 0, [&](int64_t h, int) {
       const int64_t j = h / g_;  // its key head
-      Recurrence(n, dk_, dv_, &act[j * dk_], channels, &act[key + j * dk_], channels,
-                 &act[2 * key + h * dv_], channels, &decay[h], &beta[h], nv_,
-                 matrices + h * dk_ * dv_, &o[h * dv_], value,
-                 kept == nullptr ? nullptr : kept + conv_floats() + h * dk_ * dv_, kept_stride);
+      kernels::GatedDeltaChunked(
+          position, n, dk_, dv_, &act[j * dk_], channels, &act[key + j * dk_], channels,
+          &act[2 * key + h * dv_], channels, &gate[h], &beta[h], nv_, matrices + h * head_floats,
+          &o[h * dv_], value,
+          kept == nullptr ? nullptr : kept + conv_floats() + h * head_floats, kept_stride);
     });
     // Gated RMSNorm per value head (plain weight), then SiLU(z).
     for (int64_t t = 0; t < n; ++t) {

@@ -10,21 +10,26 @@
 //                           in_proj_qkv [Q | K | V], in_proj_z, in_proj_b, in_proj_a)
 //   [q | k | v] = SiLU(causal depthwise conv over the last K inputs, per channel)
 //   q̂ = l2norm(q)·dk^-1/2, k̂ = l2norm(k)   (x / sqrt(Σx² + 1e-6))
-//   β = σ(b), g = −exp(A_log)·softplus(a + dt_bias)
+//   β = σ(b), g = −exp(A_log)·softplus(a + dt_bias)   (the log of the decay)
 //   S ← exp(g)·S;  u = β(v − Sᵀk̂);  S ← S + k̂ uᵀ;  o = Sᵀq̂       (S: [dk][dv] fp32)
 //   y = w ⊙ o / sqrt(mean(o²) + eps) ⊙ silu(z)  per value head (plain w)
 //   out = y·W_outᵀ (this rank's heads: a partial sum over the ranks)
 //
+// The recurrence runs in its chunked form (kernels::GatedDeltaChunked:
+// chunks of 16 at multiples of 16 from position 0, each chunk's S₀ᵀk̂ / S₀ᵀq̂
+// one pass over the state, the state written once per chunk) for prefill,
+// decode and verification alike; its arithmetic per token depends only on the
+// position, so chunked prefill, prefill at once, decoding and a resume from a
+// snapshot give the same state and outputs bit for bit.
+//
 // Per-sequence state (the cache's state slot of this layer, kv_cache.h): the
-// last K−1 conv inputs [K−1][conv channels] then S of each value head
-// [heads][dk][dv], all fp32, zero at sequence start. The recurrence runs
-// token by token in fp32 (prefill and decode alike), so chunked prefill,
-// prefill at once and decoding give the same state and outputs bit for bit.
-// The state advances in place: a Forward that fails leaves it advanced (the
-// caller's sequence must be dropped and re-prefilled). When the cache keeps a
-// state history for the sequence (PagedKvCache::KeepStateHistory:
-// speculative verification), the state after each token is kept too, so
-// rejected drafts roll back by a copy.
+// last K−1 conv inputs [K−1][conv channels] then each value head's
+// kernels::GatedDeltaHeadStateFloats (S₀ and the open chunk's rows), all
+// fp32, zero at sequence start. The state advances in place: a Forward that
+// fails leaves it advanced (the caller's sequence must be dropped and
+// re-prefilled). When the cache keeps a state history for the sequence
+// (PagedKvCache::KeepStateHistory: speculative verification), the state after
+// each token is kept too, so rejected drafts roll back by a copy.
 //
 // Tensor parallelism by key heads (shard_plan.h LayerShard::linear_key_heads):
 // a rank holds its key heads, their value heads, the matching Q, K and V conv
@@ -36,6 +41,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kernels/cpu/gated_delta_chunk.h"
 #include "worker/model/modules/module.h"
 #include "worker/model/modules/weight_loader.h"
 
@@ -58,24 +64,11 @@ class GatedDeltaNet final : public TokenMixer {
   int64_t state_floats() const override { return conv_floats() + state_matrix_floats(); }
   void ForEachLinear(const std::function<void(Linear&)>& fn) override;
 
-  // The recurrence of one value head over `tokens` tokens, in place on
-  // `state` [dk][dv]: q, k (already normalised and scaled) [tokens][dk] with
-  // row stride q_stride / k_stride, v [tokens][dv] stride v_stride, decay
-  // exp(g) and β per token; writes o [tokens][dv] with stride o_stride;
-  // with `history`, also the state after token t to history + t·history_stride
-  // (speculative verification's rollback points). kernels::GatedDeltaRule
-  // (runtime-dispatched, bit-identical variants), which every path runs.
-  static void Recurrence(int64_t tokens, int64_t dk, int64_t dv, const float* q, int64_t q_stride,
-                         const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                         const float* decay, const float* beta, int64_t gb_stride, float* state,
-                         float* o, int64_t o_stride, float* history = nullptr,
-                         int64_t history_stride = 0);
-
  private:
   GatedDeltaNet() = default;
   int64_t conv_channels() const { return 2 * nk_ * dk_ + nv_ * dv_; }
   int64_t conv_floats() const { return (kernel_ - 1) * conv_channels(); }
-  int64_t state_matrix_floats() const { return nv_ * dk_ * dv_; }
+  int64_t state_matrix_floats() const { return nv_ * kernels::GatedDeltaHeadStateFloats(dk_, dv_); }
   // Projections of rows [total] into mixed [total][conv channels] ([Q | K |
   // V] of this rank's heads), z [total][nv·dv], b and a [total][nv].
   absl::Status Project(const StepBatch& step, const float* x, float* mixed, float* z, float* b,
