@@ -12,9 +12,23 @@
 
 namespace exl3serve::kernels::cpu {
 
+// kernels::AttendGroup (ops.h) over rows read in place: key row j of the
+// group at k_rows[j] + offset, value row j at v_rows[j] + offset (offset in
+// elements), fp32 or IEEE fp16 (`fp16`) entries. Each head's output is bit
+// for bit AttendGroup's over the same rows converted to fp32 (the conversion
+// is exact). Dispatched to the running CPU's variant.
+void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
+                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
+                      int64_t head_dim, float scale, float* scores, float* out,
+                      int64_t out_stride);
+
 // Called by kernels::AttendRow; tests call them directly (calling one the
 // CPU lacks is undefined).
 namespace scalar {
+void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
+                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
+                      int64_t head_dim, float scale, float* scores, float* out,
+                      int64_t out_stride);
 void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
                int64_t head_dim, float scale, float* scores, float* out);
 void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
@@ -22,6 +36,10 @@ void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k
                  float* out, int64_t out_stride);
 }
 namespace avx2 {
+void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
+                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
+                      int64_t head_dim, float scale, float* scores, float* out,
+                      int64_t out_stride);
 void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
                int64_t head_dim, float scale, float* scores, float* out);
 void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
@@ -29,6 +47,10 @@ void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k
                  float* out, int64_t out_stride);
 }
 namespace avx512 {
+void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
+                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
+                      int64_t head_dim, float scale, float* scores, float* out,
+                      int64_t out_stride);
 void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
                int64_t head_dim, float scale, float* scores, float* out);
 void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,

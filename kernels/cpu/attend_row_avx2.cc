@@ -17,4 +17,12 @@ void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k
                             out, out_stride);
 }
 
+void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
+                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
+                      int64_t head_dim, float scale, float* scores, float* out,
+                      int64_t out_stride) {
+  internal::AttendGroupPagedBody(q, q_stride, heads, k_rows, v_rows, offset, fp16, count, head_dim,
+                                 scale, scores, out, out_stride);
+}
+
 }  // namespace exl3serve::kernels::cpu::avx2

@@ -471,6 +471,95 @@ TEST(OpsTest, AttendGroupIsBitwiseTheFormulaForEveryHead) {
   }
 }
 
+// IEEE half bits of x, rounded to nearest even (the test's own conversion;
+// x within the normal half range or a subnormal one).
+uint16_t TestFloatToHalf(float x) {
+  const uint32_t bits = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = (bits >> 16) & 0x8000u;
+  const float a = std::fabs(x);
+  if (a == 0.0f) return static_cast<uint16_t>(sign);
+  // half = m * 2^(e - 10) with m in [1024, 2048), or a subnormal m * 2^-24.
+  int e = static_cast<int>(std::floor(std::log2(a)));
+  if (e < -14) e = -14;
+  const double m = std::nearbyint(static_cast<double>(a) / std::ldexp(1.0, e - 10));
+  int64_t mi = static_cast<int64_t>(m);
+  if (mi >= 2048) {
+    mi /= 2;
+    ++e;
+  }
+  if (mi < 1024) return static_cast<uint16_t>(sign | mi);  // subnormal
+  return static_cast<uint16_t>(sign | ((e + 15) << 10) | (mi - 1024));
+}
+
+TEST(OpsTest, AttendGroupPagedEqualsAttendGroupOverTheConvertedRowsInEveryVariant) {
+  // Rows scattered in a pool in random order (a paged cache), fp16 and fp32,
+  // with a kv-head offset; odd sizes, up to 11 heads; subnormal halves too.
+  std::mt19937 rng(TestSeed() + 2);
+  std::uniform_int_distribution<int64_t> count_dist(1, 150), dim_dist(1, 140), heads_dist(1, 11);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int64_t count = count_dist(rng), head_dim = dim_dist(rng), heads = heads_dist(rng);
+    const int64_t offset = 3, row = offset + head_dim + 2;  // a pool row: [pad][head][pad]
+    const std::vector<float> q = RandomVector(rng, static_cast<size_t>(heads * head_dim), -3.0f, 3.0f);
+    std::vector<float> kf = RandomVector(rng, static_cast<size_t>(count * row));
+    std::vector<float> vf = RandomVector(rng, static_cast<size_t>(count * row));
+    kf[offset] = 3.0e-6f;  // a half subnormal
+    vf[offset] = -5.0e-7f;
+    std::vector<uint16_t> kh(kf.size()), vh(vf.size());
+    for (size_t i = 0; i < kf.size(); ++i) {
+      kh[i] = TestFloatToHalf(kf[i]);
+      vh[i] = TestFloatToHalf(vf[i]);
+    }
+    // What the halves are, as floats: value * 2^-24 / 2^(e-25) exactly.
+    auto half_value = [](uint16_t h) {
+      const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+      const double mag = e == 0 ? std::ldexp(m, -24) : std::ldexp(1024 + m, e - 25);
+      return static_cast<float>((h & 0x8000) ? -mag : mag);
+    };
+    std::vector<int64_t> order(count);
+    for (int64_t j = 0; j < count; ++j) order[j] = j;
+    std::shuffle(order.begin(), order.end(), rng);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+    for (bool fp16 : {true, false}) {
+      // Row j of the group lives at pool row order[j]; the contiguous copy.
+      std::vector<const void*> k_rows(count), v_rows(count);
+      std::vector<float> k_copy(count * head_dim), v_copy(count * head_dim);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t p = order[j] * row;
+        k_rows[j] = fp16 ? static_cast<const void*>(&kh[p]) : static_cast<const void*>(&kf[p]);
+        v_rows[j] = fp16 ? static_cast<const void*>(&vh[p]) : static_cast<const void*>(&vf[p]);
+        for (int64_t i = 0; i < head_dim; ++i) {
+          k_copy[j * head_dim + i] = fp16 ? half_value(kh[p + offset + i]) : kf[p + offset + i];
+          v_copy[j * head_dim + i] = fp16 ? half_value(vh[p + offset + i]) : vf[p + offset + i];
+        }
+      }
+      std::vector<float> scratch(heads * count), want(heads * head_dim, kPoison);
+      AttendGroup(q.data(), head_dim, heads, k_copy.data(), v_copy.data(), count, head_dim,
+                  head_dim, scale, scratch.data(), want.data(), head_dim);
+      using Fn = void (*)(const float*, int64_t, int64_t, const void* const*, const void* const*,
+                          int64_t, bool, int64_t, int64_t, float, float*, float*, int64_t);
+      struct Variant {
+        const char* name;
+        cpu::CpuIsa isa;
+        Fn fn;
+      };
+      for (const Variant& var : {Variant{"scalar", cpu::CpuIsa::kScalar, &cpu::scalar::AttendGroupPaged},
+                                 Variant{"avx2", cpu::CpuIsa::kAvx2, &cpu::avx2::AttendGroupPaged},
+                                 Variant{"avx512", cpu::CpuIsa::kAvx512, &cpu::avx512::AttendGroupPaged},
+                                 Variant{"dispatched", cpu::CpuIsa::kScalar, &cpu::AttendGroupPaged}}) {
+        if (!cpu::CpuSupportsIsa(var.isa)) continue;
+        std::vector<float> got(heads * head_dim, kPoison);
+        var.fn(q.data(), head_dim, heads, k_rows.data(), v_rows.data(), offset, fp16, count,
+               head_dim, scale, scratch.data(), got.data(), head_dim);
+        for (int64_t i = 0; i < heads * head_dim; ++i) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(want[i]))
+              << var.name << (fp16 ? " fp16" : " fp32") << " heads " << heads << " count "
+              << count << " head_dim " << head_dim << " i " << i;
+        }
+      }
+    }
+  }
+}
+
 TEST(OpsTest, ArgMaxTakesTheLowestIdOnTies) {
   std::vector<float> z = {1.0f, 3.0f, -2.0f, 3.0f, 3.0f, -INFINITY, 0.5f};
   int32_t id = -1;

@@ -503,6 +503,29 @@ void PagedKvCache::ReadRun(int64_t page, int layer, int64_t slot, int64_t count,
   }
 }
 
+void PagedKvCache::RowPointers(int64_t seq_id, int layer, int64_t begin, int64_t end,
+                               const void** k_rows, const void** v_rows) const {
+  const Sequence& seq = Get(seq_id);
+  const int64_t page_size = options_.page_size_tokens;
+  EXL3_CHECK(entries_in_place() && layer >= 0 && layer < shape_.num_layers && begin >= 0 &&
+             begin <= end && end <= static_cast<int64_t>(seq.pages.size()) * page_size)
+      << "row pointers of [" << begin << ", " << end << ") beyond reserved pages or not in place";
+  const int64_t k_row = EntryStride(shape_.head_dim) * shape_.num_kv_heads;
+  const int64_t v_row = EntryStride(shape_.v_dim()) * shape_.num_kv_heads;
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t page = seq.pages[static_cast<size_t>(pos / page_size)];
+    const int64_t slot = pos % page_size;
+    const int64_t run = std::min(end - pos, page_size - slot);
+    const uint8_t* k = EntryPtr(page, layer, 0, slot, 0);
+    const uint8_t* v = EntryPtr(page, layer, 1, slot, 0);
+    for (int64_t i = 0; i < run; ++i) {
+      k_rows[pos - begin + i] = k + i * k_row;
+      v_rows[pos - begin + i] = v + i * v_row;
+    }
+    pos += run;
+  }
+}
+
 void PagedKvCache::Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k,
                         float* v) const {
   const Sequence& seq = Get(seq_id);

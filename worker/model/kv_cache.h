@@ -155,6 +155,19 @@ class PagedKvCache {
   // its pages over the shared CPU thread pool.
   void Read(int64_t seq_id, int layer, int64_t begin, int64_t end, float* k, float* v) const;
 
+  // Whether entries are plain fp32 or fp16 values (no scale): attention can
+  // then read them in place through RowPointers instead of Read's copy.
+  bool entries_in_place() const {
+    return options_.dtype == KvCacheDtype::kFp32 || options_.dtype == KvCacheDtype::kFp16;
+  }
+  // For positions [begin, end) of `layer`: where kv head 0's key and value
+  // entries lie (kv head h: h·head_dim / h·v_dim() elements further), into
+  // k_rows[i] and v_rows[i] for position begin + i. Requires:
+  // entries_in_place() and the positions reserved (CHECKed). The pointers
+  // stay valid until the sequence's pages change.
+  void RowPointers(int64_t seq_id, int layer, int64_t begin, int64_t end, const void** k_rows,
+                   const void** v_rows) const;
+
   // Sets the committed length. Requires: length <= reserved capacity.
   void SetLength(int64_t seq_id, int64_t length);
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/cpu/attend_row.h"
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/ops.h"
 
@@ -136,19 +137,34 @@ absl::Status GqaAttention::Attend(const StepBatch& step, PagedKvCache* cache, fl
     const int64_t end = start + n;
     const int64_t lo = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
     const int64_t ctx = end - lo;
-    // Reused from call to call (a long context's copy would otherwise be
-    // fresh pages to fault in at every layer of every step); it keeps the
-    // largest context seen: one layer of one sequence in fp32, twice that
-    // layer's fp16 KV.
+    // fp32 / fp16 entries are read in place (a pointer per position);
+    // int8 / int4 ones are dequantized into contiguous rows. The two give
+    // the same bits (kernels::cpu::AttendGroupPaged). Both buffers are
+    // reused from call to call (a long context's copy would otherwise be
+    // fresh pages to fault in at every layer of every step).
+    const bool in_place = cache->entries_in_place();
     thread_local std::vector<float> keys, values;
-    if (keys.size() < static_cast<size_t>(ctx * nkv * hd)) {
-      keys.resize(static_cast<size_t>(ctx * nkv * hd));
-      values.resize(keys.size());
+    thread_local std::vector<const void*> key_ptrs, value_ptrs;
+    if (in_place) {
+      if (key_ptrs.size() < static_cast<size_t>(ctx)) {
+        key_ptrs.resize(static_cast<size_t>(ctx));
+        value_ptrs.resize(key_ptrs.size());
+      }
+      cache->RowPointers(step.batch[b].seq_id, kv_layer_, lo, end, key_ptrs.data(),
+                         value_ptrs.data());
+    } else {
+      if (keys.size() < static_cast<size_t>(ctx * nkv * hd)) {
+        keys.resize(static_cast<size_t>(ctx * nkv * hd));
+        values.resize(keys.size());
+      }
+      cache->Read(step.batch[b].seq_id, kv_layer_, lo, end, keys.data(), values.data());
     }
-    cache->Read(step.batch[b].seq_id, kv_layer_, lo, end, keys.data(), values.data());
     // (Pointers: the pool's threads would see their own thread_local vectors.)
     const float* key_rows = keys.data();
     const float* value_rows = values.data();
+    const void* const* key_row_ptrs = key_ptrs.data();
+    const void* const* value_row_ptrs = value_ptrs.data();
+    const bool fp16 = cache->options().dtype == KvCacheDtype::kFp16;
 
     // The local query heads as runs that share a KV head (a GQA group, or
     // the part of one this rank holds), cut into as many tasks as the pool
@@ -187,13 +203,17 @@ absl::Status GqaAttention::Attend(const StepBatch& step, PagedKvCache* cache, fl
       const int64_t count = pos - first + 1;
       std::vector<float>& s = scores[worker];
       if (s.size() < static_cast<size_t>(r.heads * count)) s.resize(static_cast<size_t>(r.heads * ctx));
-      // The cache stores int8/int4 too, so it hands over dequantized
-      // contiguous rows; the paged kernels::DecodeAttention /
-      // PrefillAttention (fp16/fp32 pages) run the same row kernel.
-      kernels::AttendGroup(qb + (t * nh + r.first_head) * hd, hd, r.heads,
-                           key_rows + ((first - lo) * nkv + r.kv) * hd,
-                           value_rows + ((first - lo) * nkv + r.kv) * hd, count, nkv * hd, hd,
-                           scale, s.data(), ob + (t * nh + r.first_head) * hd, hd);
+      if (in_place) {
+        kernels::cpu::AttendGroupPaged(qb + (t * nh + r.first_head) * hd, hd, r.heads,
+                                       key_row_ptrs + (first - lo), value_row_ptrs + (first - lo),
+                                       r.kv * hd, fp16, count, hd, scale, s.data(),
+                                       ob + (t * nh + r.first_head) * hd, hd);
+      } else {
+        kernels::AttendGroup(qb + (t * nh + r.first_head) * hd, hd, r.heads,
+                             key_rows + ((first - lo) * nkv + r.kv) * hd,
+                             value_rows + ((first - lo) * nkv + r.kv) * hd, count, nkv * hd, hd,
+                             scale, s.data(), ob + (t * nh + r.first_head) * hd, hd);
+      }
     });
     row0 += n;
   }
