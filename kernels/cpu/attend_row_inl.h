@@ -124,30 +124,42 @@ inline void AttendDots(const float* q, const Rows& k, int64_t j0, int64_t head_d
 
 // out[h][i] = Σ_j w[h][j]·v_j[i] for `heads` (<= 8) heads at once, ascending
 // j per lane: each value row is loaded once for all of them. kVecs blocks of
-// 16 lanes per pass (more independent chains when there are few heads).
+// 16 lanes per pass (more independent chains when there are few heads). The
+// rows go in tiles of kValueRowTile, every lane block over a tile before the
+// next tile (the partial sums wait in `out`): a long context's value rows
+// are then fetched from memory once, not once per lane block. Each lane's
+// sum is the same sequence of additions either way.
+inline constexpr int64_t kValueRowTile = 32;
 template <int kHeads, int kVecs, typename Rows>
 inline void AttendValueSums(const float* w, int64_t w_stride, const Rows& v, int64_t count,
                             int64_t head_dim, float* out, int64_t out_stride, int64_t* lane) {
   constexpr int64_t kLanes = 16 * kVecs;
-  for (; *lane + kLanes <= head_dim; *lane += kLanes) {
-    const int64_t i0 = *lane;
-    AttendV16 acc[kHeads][kVecs];
-    for (int h = 0; h < kHeads; ++h) {
-      for (int r = 0; r < kVecs; ++r) acc[h][r] = AttendV16{};
-    }
-    for (int64_t j = 0; j < count; ++j) {
-      const typename Rows::Element* vj = v[j] + i0;
-      AttendV16 x[kVecs];
-      for (int r = 0; r < kVecs; ++r) x[r] = AttendLoad16(vj + 16 * r);
+  const int64_t first = *lane;
+  const int64_t end = first + (head_dim - first) / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < count; j0 += kValueRowTile) {
+    const int64_t j1 = std::min(count, j0 + kValueRowTile);
+    for (int64_t i0 = first; i0 < end; i0 += kLanes) {
+      AttendV16 acc[kHeads][kVecs];
       for (int h = 0; h < kHeads; ++h) {
-        const AttendV16 wj = AttendV16{} + w[h * w_stride + j];
-        for (int r = 0; r < kVecs; ++r) acc[h][r] = acc[h][r] + wj * x[r];
+        for (int r = 0; r < kVecs; ++r) {
+          acc[h][r] = j0 == 0 ? AttendV16{} : AttendLoad16(out + h * out_stride + i0 + 16 * r);
+        }
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const typename Rows::Element* vj = v[j] + i0;
+        AttendV16 x[kVecs];
+        for (int r = 0; r < kVecs; ++r) x[r] = AttendLoad16(vj + 16 * r);
+        for (int h = 0; h < kHeads; ++h) {
+          const AttendV16 wj = AttendV16{} + w[h * w_stride + j];
+          for (int r = 0; r < kVecs; ++r) acc[h][r] = acc[h][r] + wj * x[r];
+        }
+      }
+      for (int h = 0; h < kHeads; ++h) {
+        for (int r = 0; r < kVecs; ++r) std::memcpy(out + h * out_stride + i0 + 16 * r, &acc[h][r], 64);
       }
     }
-    for (int h = 0; h < kHeads; ++h) {
-      for (int r = 0; r < kVecs; ++r) std::memcpy(out + h * out_stride + i0 + 16 * r, &acc[h][r], 64);
-    }
   }
+  *lane = end;
 }
 
 template <int kHeads, typename Rows>

@@ -4,7 +4,10 @@
 //    dk = dv = 128) and the 35B-A3B shape (32 heads), on all threads, over
 //    2 048 tokens: the chunked form the model runs (kernels::GatedDeltaChunked)
 //    in one call (prefill) and one token per call (decode), against the
-//    recurrent form token by token (kernels::GatedDeltaRule; goal: >= 10x).
+//    recurrent form token by token (kernels::GatedDeltaRule).
+// 1b. One whole Gated DeltaNet layer of the 35B-A3B shapes in a one-layer
+//    model: a 2 048-token prompt in one forward vs one forward per token
+//    (the goal: >= 10x).
 // 2. A bench model with the real per-layer shapes of Qwen3.5-35B-A3B (hidden
 //    2048; gated attention 16 / 2 heads of 256, 64 dims rotated; Gated
 //    DeltaNet Hk 16, Hv 32, dk = dv = 128, conv 4; MoE top-8 of width 512 and
@@ -151,11 +154,12 @@ int Main(int argc, char** argv) {
   // 1. One layer's recurrence (all its value heads): the chunked form fed
   // 2 048 tokens in one call (prefill) and one token per call (decode),
   // against the recurrent form token by token.
-  std::printf("recurrence of one layer, %d threads (%s variants), 2048 tokens:\n\n",
+  std::printf("recurrence of one layer, %d threads (%s variants), %d tokens:\n\n",
               kernels::cpu::SharedThreadPool().size(),
-              std::string(kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())).c_str());
+              std::string(kernels::cpu::CpuIsaName(kernels::cpu::ActiveCpuIsa())).c_str(),
+              quick ? 512 : 2048);
   std::printf("| layer shape | heads x dk x dv | state MiB | recurrent, token by token | "
-              "chunked, token by token | chunked, 2048 at once | at once / recurrent | "
+              "chunked, token by token | chunked, all at once | at once / recurrent | "
               "outputs differ (rel.) |\n");
   std::printf("|---|---|---|---|---|---|---|---|\n");
   for (auto [name, heads] : {std::pair<const char*, int64_t>{"Qwen3.5-27B", 48}, {"Qwen3.5-35B-A3B", 32}}) {
@@ -175,6 +179,78 @@ int Main(int argc, char** argv) {
                 name, static_cast<long long>(heads), state / 1048576.0, recurrent, each, once,
                 once / recurrent,
                 std::abs(sum_once - sum_recurrent) / std::max(1e-30, std::abs(sum_recurrent)));
+  }
+
+  // 1b. The whole layer (projections, conv, recurrence, gated norm,
+  // out_proj) in a one-layer model of the 35B-A3B shapes (linear attention,
+  // a dense MLP of width 64, vocab 1000, bf16): a 2 048-token prompt in one
+  // forward vs the same tokens fed one forward per token.
+  {
+    sharding::TestModelOptions lo = sharding::Qwen3NextTestDefaults("qwen3.5");
+    lo.seed = 3;
+    lo.num_layers = 1;
+    lo.hidden_size = 2048;
+    lo.num_attention_heads = 16;
+    lo.num_key_value_heads = 2;
+    lo.head_dim = 256;
+    lo.gdn_key_heads = 16;
+    lo.gdn_value_heads = 32;
+    lo.gdn_key_dim = 128;
+    lo.gdn_value_dim = 128;
+    lo.intermediate_size = 64;
+    lo.vocab_size = 1000;
+    const std::string layer_dir = work + "/gdn-layer-35b-a3b-shape";
+    if (!std::filesystem::exists(layer_dir + "/config.json")) {
+      if (absl::Status s = sharding::WriteTestModel(layer_dir, lo); !s.ok()) {
+        std::fprintf(stderr, "write: %s\n", std::string(s.message()).c_str());
+        return 1;
+      }
+    }
+    absl::StatusOr<std::unique_ptr<worker::Transformer>> layer_model =
+        worker::Transformer::Load(layer_dir);
+    if (!layer_model.ok()) {
+      std::fprintf(stderr, "load: %s\n", std::string(layer_model.status().message()).c_str());
+      return 1;
+    }
+    const int64_t tokens = quick ? 256 : 2048;
+    worker::KvCacheOptions lkv;
+    lkv.num_pages = tokens / 16 + 4;
+    absl::StatusOr<worker::PagedKvCache> lcache = (*layer_model)->CreateKvCache(lkv);
+    if (!lcache.ok()) return 1;
+    std::mt19937 lrng(4);
+    std::vector<int32_t> ids(tokens);
+    for (int32_t& id : ids) id = static_cast<int32_t>(lrng() % 1000);
+    std::vector<float> once_logits, each_logits;
+    if (!lcache->AddSequence(1).ok()) return 1;
+    auto t0 = Clock::now();
+    const worker::SequenceTokens whole{1, ids};
+    if (absl::Status st = (*layer_model)->Forward({&whole, 1}, worker::LogitsRows::kLastToken,
+                                                  &*lcache, &once_logits);
+        !st.ok()) {
+      std::fprintf(stderr, "layer prefill: %s\n", std::string(st.message()).c_str());
+      return 1;
+    }
+    const double once = static_cast<double>(tokens) / Seconds(t0, Clock::now());
+    (void)lcache->RemoveSequence(1);
+    if (!lcache->AddSequence(2).ok()) return 1;
+    t0 = Clock::now();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const worker::SequenceTokens one{2, std::span<const int32_t>(ids).subspan(t, 1)};
+      if (!(*layer_model)->Forward({&one, 1}, worker::LogitsRows::kLastToken, &*lcache, &each_logits).ok()) {
+        return 1;
+      }
+    }
+    const double each = static_cast<double>(tokens) / Seconds(t0, Clock::now());
+    double diff = 0.0, norm = 0.0;
+    for (size_t i = 0; i < once_logits.size(); ++i) {
+      diff = std::max<double>(diff, std::abs(once_logits[i] - each_logits[i]));
+      norm = std::max<double>(norm, std::abs(once_logits[i]));
+    }
+    std::printf("\none Gated DeltaNet layer (35B-A3B shapes, bf16, in a 1-layer model), %lld tokens:\n\n"
+                "| | tok/s |\n|---|---|\n| one forward per token | %.1f |\n"
+                "| all tokens in one forward (chunked form) | %.1f |\n| ratio | **%.1fx** |\n\n"
+                "(last logits of the two: max difference %.1e relative)\n",
+                static_cast<long long>(tokens), each, once, once / each, diff / std::max(norm, 1e-30));
   }
 
   // 2. The bench model.
