@@ -23,40 +23,28 @@ void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const voi
                       int64_t out_stride);
 
 // Called by kernels::AttendRow; tests call them directly (calling one the
-// CPU lacks is undefined).
+// CPU lacks is undefined). Each ISA's file defines them with
+// EXL3_ATTEND_ROW_DEFINE_VARIANT (attend_row_inl.h).
+#define EXL3_ATTEND_ROW_VARIANT_DECLARATIONS                                                      \
+  void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads,                          \
+                        const void* const* k_rows, const void* const* v_rows, int64_t offset,     \
+                        bool fp16, int64_t count, int64_t head_dim, float scale, float* scores,   \
+                        float* out, int64_t out_stride);                                          \
+  void AttendRow(const float* q, const float* k, const float* v, int64_t count,                   \
+                 int64_t row_stride, int64_t head_dim, float scale, float* scores, float* out);   \
+  void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k,               \
+                   const float* v, int64_t count, int64_t row_stride, int64_t head_dim,           \
+                   float scale, float* scores, float* out, int64_t out_stride);
 namespace scalar {
-void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
-                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
-                      int64_t head_dim, float scale, float* scores, float* out,
-                      int64_t out_stride);
-void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
-               int64_t head_dim, float scale, float* scores, float* out);
-void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
-                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
-                 float* out, int64_t out_stride);
+EXL3_ATTEND_ROW_VARIANT_DECLARATIONS
 }
 namespace avx2 {
-void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
-                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
-                      int64_t head_dim, float scale, float* scores, float* out,
-                      int64_t out_stride);
-void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
-               int64_t head_dim, float scale, float* scores, float* out);
-void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
-                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
-                 float* out, int64_t out_stride);
+EXL3_ATTEND_ROW_VARIANT_DECLARATIONS
 }
 namespace avx512 {
-void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads, const void* const* k_rows,
-                      const void* const* v_rows, int64_t offset, bool fp16, int64_t count,
-                      int64_t head_dim, float scale, float* scores, float* out,
-                      int64_t out_stride);
-void AttendRow(const float* q, const float* k, const float* v, int64_t count, int64_t row_stride,
-               int64_t head_dim, float scale, float* scores, float* out);
-void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k, const float* v,
-                 int64_t count, int64_t row_stride, int64_t head_dim, float scale, float* scores,
-                 float* out, int64_t out_stride);
+EXL3_ATTEND_ROW_VARIANT_DECLARATIONS
 }
+#undef EXL3_ATTEND_ROW_VARIANT_DECLARATIONS
 
 }  // namespace exl3serve::kernels::cpu
 

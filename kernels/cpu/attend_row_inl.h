@@ -59,7 +59,12 @@ inline float AttendHalfToFloat(uint16_t h) {
 inline AttendV16 AttendLoad16(const uint16_t* p) {
   AttendV16 v;
 #if defined(__AVX512F__)
+  // (GCC 12's _mm512_cvtph_ps starts from _mm512_undefined_ps(): a false
+  // maybe-uninitialized warning.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
   const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#pragma GCC diagnostic pop
   std::memcpy(&v, &x, sizeof(v));
 #elif defined(__F16C__)
   const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -262,5 +267,28 @@ inline void AttendRowBody(const float* q, const float* k, const float* v, int64_
 
 }  // namespace
 }  // namespace exl3serve::kernels::cpu::internal
+
+// The functions of one variant (attend_row.h), in namespace
+// exl3serve::kernels::cpu::<isa>: each ISA's file is this line.
+#define EXL3_ATTEND_ROW_DEFINE_VARIANT(isa)                                                       \
+  namespace exl3serve::kernels::cpu::isa {                                                        \
+  void AttendRow(const float* q, const float* k, const float* v, int64_t count,                   \
+                 int64_t row_stride, int64_t head_dim, float scale, float* scores, float* out) {  \
+    internal::AttendRowBody(q, k, v, count, row_stride, head_dim, scale, scores, out);            \
+  }                                                                                               \
+  void AttendGroup(const float* q, int64_t q_stride, int64_t heads, const float* k,               \
+                   const float* v, int64_t count, int64_t row_stride, int64_t head_dim,           \
+                   float scale, float* scores, float* out, int64_t out_stride) {                  \
+    internal::AttendGroupBody(q, q_stride, heads, k, v, count, row_stride, head_dim, scale,       \
+                              scores, out, out_stride);                                           \
+  }                                                                                               \
+  void AttendGroupPaged(const float* q, int64_t q_stride, int64_t heads,                          \
+                        const void* const* k_rows, const void* const* v_rows, int64_t offset,     \
+                        bool fp16, int64_t count, int64_t head_dim, float scale, float* scores,   \
+                        float* out, int64_t out_stride) {                                         \
+    internal::AttendGroupPagedBody(q, q_stride, heads, k_rows, v_rows, offset, fp16, count,       \
+                                   head_dim, scale, scores, out, out_stride);                     \
+  }                                                                                               \
+  }
 
 #endif  // EXL3SERVE_KERNELS_CPU_ATTEND_ROW_INL_H_

@@ -219,4 +219,20 @@ inline void GatedDeltaChunkedBody(int64_t position, int64_t tokens, int64_t dk, 
 }  // namespace
 }  // namespace exl3serve::kernels::cpu::internal
 
+// GatedDeltaChunked of one variant (gated_delta_chunk.h) in namespace
+// exl3serve::kernels::cpu::<isa>, kBlock tokens per S₀ᵀx pass (its
+// registers allow): each ISA's file is this line.
+#define EXL3_GATED_DELTA_CHUNKED_DEFINE_VARIANT(isa, block)                                       \
+  namespace exl3serve::kernels::cpu::isa {                                                        \
+  void GatedDeltaChunked(int64_t position, int64_t tokens, int64_t dk, int64_t dv,                \
+                         const float* q, int64_t q_stride, const float* k, int64_t k_stride,      \
+                         const float* v, int64_t v_stride, const float* g, const float* beta,     \
+                         int64_t gb_stride, float* state, float* o, int64_t o_stride,             \
+                         float* history, int64_t history_stride) {                                \
+    internal::GatedDeltaChunkedBody<block>(position, tokens, dk, dv, q, q_stride, k, k_stride, v, \
+                                           v_stride, g, beta, gb_stride, state, o, o_stride,      \
+                                           history, history_stride);                              \
+  }                                                                                               \
+  }
+
 #endif  // EXL3SERVE_KERNELS_CPU_GATED_DELTA_CHUNK_INL_H_

@@ -112,6 +112,19 @@ double RecurrenceTokensPerSecond(const RecurrenceInputs& in, int64_t per_call, b
   return rate;
 }
 
+// The per-layer shapes of Qwen3.5-35B-A3B: hidden 2048; gated attention
+// 16 / 2 heads of 256; Gated DeltaNet Hk 16, Hv 32, dk = dv = 128.
+void SetQwen35A3bShapes(sharding::TestModelOptions* o) {
+  o->hidden_size = 2048;
+  o->num_attention_heads = 16;
+  o->num_key_value_heads = 2;
+  o->head_dim = 256;
+  o->gdn_key_heads = 16;
+  o->gdn_value_heads = 32;
+  o->gdn_key_dim = 128;
+  o->gdn_value_dim = 128;
+}
+
 int32_t ArgMax(const std::vector<float>& row) {
   return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
 }
@@ -189,14 +202,7 @@ int Main(int argc, char** argv) {
     sharding::TestModelOptions lo = sharding::Qwen3NextTestDefaults("qwen3.5");
     lo.seed = 3;
     lo.num_layers = 1;
-    lo.hidden_size = 2048;
-    lo.num_attention_heads = 16;
-    lo.num_key_value_heads = 2;
-    lo.head_dim = 256;
-    lo.gdn_key_heads = 16;
-    lo.gdn_value_heads = 32;
-    lo.gdn_key_dim = 128;
-    lo.gdn_value_dim = 128;
+    SetQwen35A3bShapes(&lo);
     lo.intermediate_size = 64;
     lo.vocab_size = 1000;
     const std::string layer_dir = work + "/gdn-layer-35b-a3b-shape";
@@ -256,14 +262,7 @@ int Main(int argc, char** argv) {
   // 2. The bench model.
   sharding::TestModelOptions o = sharding::Qwen3NextTestDefaults("qwen3.5-moe");
   o.seed = 7;
-  o.hidden_size = 2048;
-  o.num_attention_heads = 16;
-  o.num_key_value_heads = 2;
-  o.head_dim = 256;
-  o.gdn_key_heads = 16;
-  o.gdn_value_heads = 32;
-  o.gdn_key_dim = 128;
-  o.gdn_value_dim = 128;
+  SetQwen35A3bShapes(&o);
   o.num_experts = 16;
   o.num_experts_per_token = 8;
   o.moe_intermediate_size = 512;

@@ -11,6 +11,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_features.h"
+#include "tests/kernels/gated_delta_inputs.h"
 
 namespace exl3serve::kernels {
 namespace {
@@ -19,57 +20,15 @@ using Fn = void (*)(int64_t, int64_t, int64_t, const float*, int64_t, const floa
                     const float*, int64_t, const float*, const float*, int64_t, float*, float*,
                     int64_t, float*, int64_t);
 
-struct Inputs {
-  int64_t tokens, dk, dv;
-  std::vector<float> q, k, v, decay, beta;
-};
-
-Inputs Random(int64_t tokens, int64_t dk, int64_t dv, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::uniform_real_distribution<float> unit(0.0f, 1.0f);
-  Inputs in{tokens, dk, dv, {}, {}, {}, {}, {}};
-  auto normalised = [&](std::vector<float>* x, float scale) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      double sum = 0.0;
-      std::vector<float> row(dk);
-      for (float& r : row) {
-        r = normal(rng);
-        sum += r * r;
-      }
-      for (float r : row) x->push_back(static_cast<float>(r / std::sqrt(sum) * scale));
-    }
-  };
-  normalised(&in.q, 1.0f / std::sqrt(static_cast<float>(dk)));
-  normalised(&in.k, 1.0f);
-  for (int64_t i = 0; i < tokens * dv; ++i) in.v.push_back(normal(rng));
-  for (int64_t t = 0; t < tokens; ++t) {
-    in.decay.push_back(std::exp(-4.0f * unit(rng)));
-    in.beta.push_back(unit(rng));
-  }
-  return in;
-}
+using Inputs = testing::GatedDeltaInputs;
+constexpr auto Random = testing::RandomGatedDeltaInputs;
 
 TEST(GatedDeltaRuleTest, MatchesFloat64RecurrenceAndVariantsAreBitIdentical) {
   for (auto [dk, dv] : {std::pair<int64_t, int64_t>{24, 20}, {128, 128}, {13, 37}}) {
     const int64_t tokens = 33;
     const Inputs in = Random(tokens, dk, dv, 7 + static_cast<uint32_t>(dk));
-    // float64 reference: S <- d S; u = b (v - S^T k); S <- S + k u^T; o = S^T q.
-    std::vector<double> s(dk * dv, 0.0), want(tokens * dv);
-    for (int64_t t = 0; t < tokens; ++t) {
-      for (double& x : s) x *= in.decay[t];
-      for (int64_t j = 0; j < dv; ++j) {
-        double r = 0.0;
-        for (int64_t i = 0; i < dk; ++i) r += s[i * dv + j] * in.k[t * dk + i];
-        const double u = in.beta[t] * (in.v[t * dv + j] - r);
-        for (int64_t i = 0; i < dk; ++i) s[i * dv + j] += in.k[t * dk + i] * u;
-      }
-      for (int64_t j = 0; j < dv; ++j) {
-        double o = 0.0;
-        for (int64_t i = 0; i < dk; ++i) o += s[i * dv + j] * in.q[t * dk + i];
-        want[t * dv + j] = o;
-      }
-    }
+    std::vector<double> s;
+    const std::vector<double> want = testing::Float64Recurrence(in, &s);
     std::vector<float> first_state, first_out;
     struct Variant {
       const char* name;
