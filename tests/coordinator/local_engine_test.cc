@@ -297,16 +297,26 @@ TEST_F(LocalEngineTest, AbortedRequestsEndWithAbortAndReturnTheirBlocks) {
   constexpr int kRequests = 12;
   std::vector<std::unique_ptr<Stream>> streams;
   std::vector<std::vector<int32_t>> prompts;
+  // Park the scheduler thread so every request is mid-stream when aborted:
+  // the response that brings the last stream its first tokens holds the
+  // gate, so the step after it parks (holding from the test thread after
+  // waiting for the chunks let fast steps finish a request first).
+  auto streams_started = std::make_shared<std::atomic<int>>(0);
   for (int i = 0; i < kRequests; ++i) {
     prompts.push_back(Prompt(3 + i, 7 + i));
     streams.push_back(std::make_unique<Stream>());
-    ASSERT_TRUE(engine->Submit(Request(prompts[i], 60, absl::StrCat("a", i)),
-                               streams[i]->Callback())
-                    .ok());
+    auto started = std::make_shared<std::atomic<bool>>(false);
+    ResponseCallback deliver = streams[i]->Callback();
+    ResponseCallback callback = [this, deliver, started,
+                                 streams_started](const v1::GenerateResponse& r) {
+      deliver(r);
+      if (r.has_chunk() && !started->exchange(true) && ++*streams_started == kRequests) {
+        gate_->Hold();
+      }
+    };
+    ASSERT_TRUE(engine->Submit(Request(prompts[i], 60, absl::StrCat("a", i)), callback).ok());
   }
   for (auto& s : streams) ASSERT_TRUE(s->WaitForChunk());
-  // Park the scheduler thread so every request is mid-stream when aborted.
-  gate_->Hold();
   ASSERT_TRUE(gate_->WaitParked());
   std::vector<std::string> victims;
   for (int i = 0; i < kRequests; i += 2) victims.push_back(absl::StrCat("a", i));
