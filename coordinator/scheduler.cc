@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/logging.h"
+#include "worker/api/sampling.h"
 
 namespace exl3serve::coordinator {
 
@@ -36,9 +37,20 @@ void Scheduler::FreeBlocks(Sequence& seq) {
 void Scheduler::HashBlocks(Sequence& seq, int64_t blocks) {
   const int64_t page = options_.page_size_tokens;
   EXL3_CHECK(blocks * page <= static_cast<int64_t>(seq.tokens.size()));
+  // A block holding a row the ranks compute at the decode precision (by
+  // position: worker/api/sampling.h PrefillKindEnd) chains from a salted
+  // parent, so that no prompt — whose rows there would be prefill-kind —
+  // ever matches it: a follow-up turn reuses the earlier prompt's blocks,
+  // not those of its decoded output, and cache on == off stays exact. The
+  // sequence itself (re-admitted after preemption or a replay) hashes the
+  // same way and finds its own blocks. Salt: a one-token block of -1,
+  // which no real block is.
+  const int64_t prefill_end = worker::PrefillKindEnd(seq.prompt_len);
+  static constexpr int32_t kDecodedSalt[] = {-1};
   while (static_cast<int64_t>(seq.hashes.size()) < blocks) {
     const int64_t k = static_cast<int64_t>(seq.hashes.size());
-    const BlockHash& parent = k == 0 ? root_hash_ : seq.hashes.back();
+    BlockHash parent = k == 0 ? root_hash_ : seq.hashes.back();
+    if ((k + 1) * page > prefill_end) parent = ChainBlockHash(parent, kDecodedSalt);
     seq.hashes.push_back(
         ChainBlockHash(parent, std::span<const int32_t>(seq.tokens).subspan(k * page, page)));
   }

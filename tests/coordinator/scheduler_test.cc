@@ -887,6 +887,40 @@ TEST(SchedulerTest, PrefixCacheReusesTheFullBlocksOfAnEarlierPrompt) {
   EXPECT_EQ(h.scheduler().prefix_cache_stats().hit_tokens, 8u);
 }
 
+// The ranks compute a prompt's rows at the prefill precision and output
+// rows at the decode precision (worker/api/sampling.h PrefillKindEnd), so a
+// follow-up turn whose prompt holds an earlier turn's output must not reuse
+// the blocks of those decoded rows: a prompt computed afresh would run them
+// at the prefill precision (cache on == off). It reuses the earlier prompt's
+// blocks; the sequence itself, re-admitted, finds all of its own.
+TEST(SchedulerTest, APromptNeverReusesTheBlocksOfDecodedRows) {
+  Harness h(CachingOptions());  // 4-token pages
+  const std::vector<int32_t> prompt = Tokens(20);  // >= 17: prefill kind
+  ASSERT_TRUE(h.scheduler().Add(1, prompt).ok());
+  std::vector<int32_t> output;
+  for (int i = 0; i < 40 && output.size() < 9; ++i) {
+    ScheduleOutput out = h.Step();
+    const ScheduledChunk* c = Find(out, 1);
+    if (c != nullptr && c->needs_logits) {
+      output.push_back(600 + static_cast<int32_t>(output.size()));
+      h.scheduler().AppendToken(1, output.back());
+    }
+  }
+  ASSERT_EQ(output.size(), 9u);
+  h.Step();  // computes the last output token: 29 positions, 7 full blocks
+  h.scheduler().Finish(1);
+  h.Step();
+  EXPECT_EQ(h.scheduler().prefix_cache_stats().cached_blocks, 7);
+  std::vector<int32_t> turn = prompt;
+  turn.insert(turn.end(), output.begin(), output.end());
+  for (int32_t t : {700, 701, 702, 703, 704}) turn.push_back(t);
+  ASSERT_TRUE(h.scheduler().Add(2, turn).ok());
+  h.Step();
+  // Blocks 0..4 hold positions 0..19, all prompt rows of sequence 1; block
+  // 5 onwards hold its decoded rows.
+  EXPECT_EQ(h.scheduler().cached_at_admission(2), 20);
+}
+
 TEST(SchedulerTest, PrefixCacheAlwaysComputesTheLastPromptToken) {
   Harness h(CachingOptions());
   RunToFirstToken(h, 1, Tokens(8));  // two full blocks, both sealed

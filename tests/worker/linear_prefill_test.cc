@@ -280,6 +280,23 @@ TEST_F(LinearPrefillTest, RowPlanMustCoverTheCallsRows) {
   EXPECT_EQ(built[1].kind, RowKind::kPrefill);
   EXPECT_EQ(RowKindForRows(kPrefillMinRows - 1), RowKind::kDecode);
   EXPECT_EQ(RowKindForRows(kPrefillMinRows), RowKind::kPrefill);
+  // Size rule (no prompt length): all or nothing by the entry's size.
+  EXPECT_EQ(PrefillRowsOfEntry(40, 16, -1), 0);
+  EXPECT_EQ(PrefillRowsOfEntry(40, 17, -1), 17);
+  // Position rule: rows below the prompt's end, if the prompt is long enough.
+  EXPECT_EQ(PrefillRowsOfEntry(16, 9, 25), 9);   // a cache hit's tail
+  EXPECT_EQ(PrefillRowsOfEntry(0, 30, 25), 25);  // a replay: prompt, then output
+  EXPECT_EQ(PrefillRowsOfEntry(25, 19, 25), 0);  // a long verify chunk
+  EXPECT_EQ(PrefillRowsOfEntry(30, 1, 25), 0);
+  EXPECT_EQ(PrefillRowsOfEntry(0, 16, 16), 0);  // a short prompt is decode kind
+  EXPECT_EQ(PrefillRowsOfEntry(0, 17, 17), 17);
+  std::vector<RowRun> head;
+  AppendEntryRows(&head, 25, 23, 4);  // rows 23..26 of a replay entry
+  ASSERT_EQ(head.size(), 2u);
+  EXPECT_EQ(head[0].rows, 2);
+  EXPECT_EQ(head[0].kind, RowKind::kPrefill);
+  EXPECT_EQ(head[1].rows, 2);
+  EXPECT_EQ(head[1].kind, RowKind::kDecode);
 }
 
 // Model level: whole EXL3 models converted with one codebook.
@@ -313,14 +330,20 @@ class DecodePrecisionModelTest : public ::testing::Test {
 
 // The logits of every position of `prompt`, fed one token per forward
 // (decode-sized: m = 1 in every linear).
-std::vector<float> TokenByTokenLogits(const Transformer& model, const std::vector<int32_t>& prompt) {
+// An fp32 cache of 16 pages holding sequence `seq_id`.
+absl::StatusOr<PagedKvCache> Fp32CacheWith(const Transformer& model, int64_t seq_id) {
   KvCacheOptions kv;
   kv.dtype = KvCacheDtype::kFp32;
   kv.num_pages = 16;
   absl::StatusOr<PagedKvCache> cache = model.CreateKvCache(kv);
   EXPECT_TRUE(cache.ok()) << cache.status();
+  if (cache.ok()) EXPECT_TRUE(cache->AddSequence(seq_id).ok());
+  return cache;
+}
+
+std::vector<float> TokenByTokenLogits(const Transformer& model, const std::vector<int32_t>& prompt) {
+  absl::StatusOr<PagedKvCache> cache = Fp32CacheWith(model, 3);
   if (!cache.ok()) return {};
-  EXPECT_TRUE(cache->AddSequence(3).ok());
   std::vector<float> all;
   for (int32_t token : prompt) {
     const SequenceTokens entry{3, {&token, 1}};
@@ -407,6 +430,81 @@ TEST_F(DecodePrecisionModelTest, Int8DecodeLeaves3InstAndMcgModelsBitExact) {
     ASSERT_EQ(got.size(), exact.size());
     EXPECT_EQ(0, std::memcmp(got.data(), exact.data(), sizeof(float) * got.size()))
         << "codebook " << static_cast<int>(codebook) << " must fall back to fp32 bit for bit";
+  }
+}
+
+// The logits of the last forward after feeding `cuts` (consecutive pieces
+// of one sequence's tokens, one forward each) whose prompt is prompt_len
+// tokens long (-1: the forwards carry no prompt length, the size rule).
+std::vector<float> LastLogitsAfterCuts(const Transformer& model,
+                                       const std::vector<std::vector<int32_t>>& cuts,
+                                       int64_t prompt_len) {
+  absl::StatusOr<PagedKvCache> cache = Fp32CacheWith(model, 5);
+  if (!cache.ok()) return {};
+  std::vector<float> logits;
+  for (const std::vector<int32_t>& cut : cuts) {
+    SequenceTokens entry{5, cut};
+    entry.prompt_len = prompt_len;
+    logits.assign(static_cast<size_t>(model.vocab_size()), std::numeric_limits<float>::quiet_NaN());
+    const absl::Status s = model.Forward({&entry, 1}, LogitsRows::kLastToken, &*cache, &logits);
+    EXPECT_TRUE(s.ok()) << s;
+  }
+  return logits;
+}
+
+std::vector<int32_t> Slice(const std::vector<int32_t>& v, size_t begin, size_t end) {
+  return std::vector<int32_t>(v.begin() + begin, v.begin() + end);
+}
+
+// At the default int8 decode, a row's precision follows its position in
+// the sequence (prompt rows at the prefill precision, output rows at the
+// decode precision), so a prompt cut as a prefix-cache hit leaves it, or a
+// replay of prompt + output in one forward, computes what the uncut run
+// did — within fp32 summation order, where the size rule differs by the
+// int8 error (~1e-2). The size-rule runs are the control: the test fails
+// if the position rule does not take effect.
+TEST_F(DecodePrecisionModelTest, RowKindByPositionMakesCutsAgreeAtInt8Decode) {
+  const std::string dir = Convert(kernels::Codebook::kMul1, false, "mul1-cuts");
+  auto model = Transformer::Load(dir);
+  ASSERT_TRUE(model.ok()) << model.status();
+  ASSERT_TRUE(SetDecodePrecision(kernels::TrellisGemmPrecision::kInt8).ok());
+  const std::vector<int32_t> all = Ids(31, (*model)->vocab_size(), 11);
+  const int64_t p = 25;  // prompt: all[0, 25); output: all[25, 31)
+  const std::vector<int32_t> prompt = Slice(all, 0, p);
+  // Uncut: the prompt in one forward, then one forward per output token.
+  std::vector<std::vector<int32_t>> uncut = {prompt};
+  for (size_t t = p; t < all.size(); ++t) uncut.push_back(Slice(all, t, t + 1));
+  const std::vector<float> prefill = LastLogitsAfterCuts(**model, {prompt}, p);
+  const std::vector<float> decoded = LastLogitsAfterCuts(**model, uncut, p);
+  // A prefix-cache hit of 16 tokens leaves a 9-token tail.
+  const std::vector<std::vector<int32_t>> hit = {Slice(all, 0, 16), Slice(all, 16, p)};
+  // A replay: prompt and five output tokens in one forward, then the last.
+  const std::vector<std::vector<int32_t>> replay = {Slice(all, 0, 30), Slice(all, 30, 31)};
+  // A verify chunk of 18 drafts after the first output token (its rows are
+  // output rows: decode precision even though the chunk is long).
+  const std::vector<int32_t> long_all = Ids(p + 19, (*model)->vocab_size(), 11);
+  std::vector<std::vector<int32_t>> long_uncut = {Slice(long_all, 0, p)};
+  for (size_t t = p; t < long_all.size(); ++t) long_uncut.push_back(Slice(long_all, t, t + 1));
+  const std::vector<std::vector<int32_t>> verify = {Slice(long_all, 0, p),
+                                                    Slice(long_all, p, p + 19)};
+  struct Case {
+    const char* name;
+    std::vector<float> expected;
+    std::vector<std::vector<int32_t>> cuts;
+  } cases[] = {{"cache-hit tail", prefill, hit},
+               {"replay", decoded, replay},
+               {"long verify chunk", LastLogitsAfterCuts(**model, long_uncut, p), verify}};
+  for (const Case& c : cases) {
+    const std::vector<float> by_position = LastLogitsAfterCuts(**model, c.cuts, p);
+    const std::vector<float> by_size = LastLogitsAfterCuts(**model, c.cuts, -1);
+    ASSERT_EQ(by_position.size(), c.expected.size()) << c.name;
+    for (float v : by_position) ASSERT_TRUE(std::isfinite(v)) << c.name;
+    const double position_error = RelativeL2(by_position, c.expected);
+    const double size_error = RelativeL2(by_size, c.expected);
+    std::printf("%-18s vs uncut: position rule %.3g, size rule %.3g\n", c.name, position_error,
+                size_error);
+    EXPECT_LE(position_error, 1e-5) << c.name;
+    EXPECT_GE(size_error, 1e-3) << c.name << ": the control did not differ";
   }
 }
 

@@ -66,6 +66,23 @@ struct SequenceSampling {
   uint64_t cached_state_hash_lo = 0;
 };
 
+// Row kinds by position (worker/model/linear.h RowKind): a sampled
+// sequence's rows at positions [0, PrefillKindEnd(prompt_len)) run at the
+// prefill precision, every other row at the decode precision — the kinds
+// the prompt gets as one uncut forward followed by one forward per token.
+// A row's kind thus depends only on its sequence and position, never on how
+// the scheduler cut the tokens into forwards (a prefix-cache hit's short
+// tail, a short last prefill chunk, a long verify chunk, a replay of prompt
+// and output in one forward), so every exactness property holds at the
+// default precisions. A prompt shorter than kPrefillKindMinTokens is decode
+// kind as a whole (as an uncut forward of it would be). The coordinator
+// salts the hashes of blocks holding decode-kind rows with this rule
+// (coordinator/scheduler.cc), so a prompt never reuses decoded KV.
+inline constexpr int64_t kPrefillKindMinTokens = 17;
+inline int64_t PrefillKindEnd(int64_t prompt_len) {
+  return prompt_len >= kPrefillKindMinTokens ? prompt_len : 0;
+}
+
 }  // namespace exl3serve::worker
 
 #endif  // EXL3SERVE_WORKER_API_SAMPLING_H_

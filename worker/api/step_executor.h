@@ -41,6 +41,12 @@ struct SequenceTokens {
   // draw; logprobs stay those of the raw logits. A row that allows no token
   // is refused (InvalidArgument) before anything runs.
   std::span<const uint32_t> allowed_tokens{};
+  // The sequence's prompt length (SequenceSampling::prompt_len), which
+  // chooses each row's precision by position (sampling.h PrefillKindEnd);
+  // -1 (a forward without sampling): the entry's size chooses
+  // (worker/model/linear.h RowKindForRows). The sampled and verified
+  // forwards set it from the sequence's sampling parameters.
+  int64_t prompt_len = -1;
 };
 
 enum class LogitsRows {

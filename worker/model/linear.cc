@@ -12,6 +12,7 @@
 #include "kernels/cpu/thread_pool.h"
 #include "kernels/trellis_gemm.h"
 #include "sharding/exl3_model.h"
+#include "worker/api/sampling.h"
 
 namespace exl3serve::worker {
 namespace {
@@ -291,6 +292,21 @@ const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision) {
       return "int8";
   }
   return "?";
+}
+
+static_assert(kPrefillMinRows == kPrefillKindMinTokens,
+              "the size rule and the position rule share their threshold");
+
+int64_t PrefillRowsOfEntry(int64_t start, int64_t rows, int64_t prompt_len) {
+  if (prompt_len < 0) return RowKindForRows(rows) == RowKind::kPrefill ? rows : 0;
+  return std::clamp<int64_t>(PrefillKindEnd(prompt_len) - start, 0, rows);
+}
+
+void AppendEntryRows(std::vector<RowRun>* plan, int64_t prefill_rows, int64_t first,
+                     int64_t count) {
+  const int64_t prefill = std::clamp<int64_t>(prefill_rows - first, 0, count);
+  AppendRowRun(plan, prefill, RowKind::kPrefill);
+  AppendRowRun(plan, count - prefill, RowKind::kDecode);
 }
 
 void AppendRowRun(std::vector<RowRun>* plan, int64_t rows, RowKind kind) {

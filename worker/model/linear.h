@@ -84,10 +84,17 @@ const char* GemmPrecisionName(kernels::TrellisGemmPrecision precision);
 // mul1 linears — a longer one prefill-kind (PrefillPrecision()), exactly as
 // the entry would run alone. The m-based Forward(x, m, y) is the plan
 // {{m, RowKindForRows(m)}}.
+// A sampled sequence's rows follow the position rule instead
+// (worker/api/sampling.h PrefillKindEnd; PrefillRowsOfEntry below).
 enum class RowKind : uint8_t { kDecode, kPrefill };
 inline RowKind RowKindForRows(int64_t rows) {
   return rows < kPrefillMinRows ? RowKind::kDecode : RowKind::kPrefill;
 }
+// How many leading rows of a batch entry of `rows` new tokens from
+// position `start` are prefill-kind (the rest are decode-kind): with
+// prompt_len >= 0 the position rule (rows below PrefillKindEnd(prompt_len)),
+// with prompt_len < 0 the size rule (all or none, RowKindForRows(rows)).
+int64_t PrefillRowsOfEntry(int64_t start, int64_t rows, int64_t prompt_len);
 // `rows` consecutive rows of one kind. A plan is a span of runs in row
 // order; zero-row runs are allowed and skipped.
 struct RowRun {
@@ -98,6 +105,10 @@ struct RowRun {
 // run has the same kind (so plans stay short: the scheduler puts decode
 // entries first, which gives one or two runs). No-op for rows <= 0.
 void AppendRowRun(std::vector<RowRun>* plan, int64_t rows, RowKind kind);
+// Appends rows [first, first + count) of an entry whose first
+// `prefill_rows` rows are prefill-kind (PrefillRowsOfEntry) to *plan.
+void AppendEntryRows(std::vector<RowRun>* plan, int64_t prefill_rows, int64_t first,
+                     int64_t count);
 
 // Thread safety: immutable after Load; Forward is const and thread-safe
 // (an attached InputObserver must tolerate the calling threads).

@@ -34,7 +34,8 @@ absl::Status RunSampledForward(const Transformer& model, PagedKvCache* cache,
                     batch[i].allowed_tokens.empty() ? nullptr : batch[i].allowed_tokens.data()});
   }
   EXL3_RETURN_IF_ERROR(CheckAllowedTokens(batch, sample, {}, model.vocab_size()));
-  EXL3_RETURN_IF_ERROR(model.ForwardVocabSlice(batch, LogitsRows::kLastToken, cache, slice));
+  const std::vector<SequenceTokens> entries = sampler->WithPromptLengths(batch);
+  EXL3_RETURN_IF_ERROR(model.ForwardVocabSlice(entries, LogitsRows::kLastToken, cache, slice));
   for (const SequenceTokens& entry : batch) sampler->Observe(entry.seq_id, entry.tokens);
   std::vector<SampledToken> drawn;
   absl::Status status = sampler->Sample(rows, slice->data(), &drawn);
@@ -102,7 +103,8 @@ absl::Status RunVerifiedForward(const Transformer& model, PagedKvCache* cache,
       for (int64_t s : seqs) cache->DropStateHistory(s);
     }
   } drop_history{cache, kept};
-  EXL3_RETURN_IF_ERROR(model.ForwardVocabSliceLastRows(batch, last_rows, cache, slice));
+  const std::vector<SequenceTokens> entries = sampler->WithPromptLengths(batch);
+  EXL3_RETURN_IF_ERROR(model.ForwardVocabSliceLastRows(entries, last_rows, cache, slice));
   for (size_t i = 0; i < batch.size(); ++i) {
     sampler->Observe(batch[i].seq_id, batch[i].tokens.first(batch[i].tokens.size() - draft_counts[i]));
   }

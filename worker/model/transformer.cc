@@ -469,13 +469,17 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
   std::vector<float> a(h.size()), delta(h.size());
   // Each entry's rows run at the precision the entry would get alone
   // (linear.h, RowKind), whatever else shares the step.
+  // Each row's kind follows its position in a sampled sequence, the
+  // entry's size otherwise (linear.h PrefillRowsOfEntry).
   std::vector<RowRun> plan;
-  for (const SequenceTokens& entry : batch) {
-    const int64_t n = static_cast<int64_t>(entry.tokens.size());
-    AppendRowRun(&plan, n, RowKindForRows(n));
+  std::vector<int64_t> prefill_rows(batch.size());
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
+    prefill_rows[i] = PrefillRowsOfEntry(starts[i], n, batch[i].prompt_len);
+    AppendEntryRows(&plan, prefill_rows[i], 0, n);
   }
   StepScratch scratch;
-  const StepBatch step{batch, starts, total, plan, &scratch};
+  const StepBatch step{batch, starts, total, plan, prefill_rows, &scratch};
   for (int l = 0; l < arch.num_layers; ++l) {
     const Layer& layer = layers_[l];
     a = h;
@@ -505,7 +509,7 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
       selected.insert(selected.end(), h.begin() + (row - last_rows[i]) * hidden,
                       h.begin() + row * hidden);
       out_rows += last_rows[i];
-      AppendRowRun(&head_plan, last_rows[i], RowKindForRows(n));
+      AppendEntryRows(&head_plan, prefill_rows[i], n - last_rows[i], last_rows[i]);
     }
   } else if (rows == LogitsRows::kAllTokens) {
     selected = std::move(h);
@@ -513,12 +517,12 @@ absl::Status Transformer::RunLayers(std::span<const SequenceTokens> batch, Logit
     head_plan = plan;
   } else {
     int64_t row = 0;
-    for (const SequenceTokens& entry : batch) {
-      const int64_t n = static_cast<int64_t>(entry.tokens.size());
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const int64_t n = static_cast<int64_t>(batch[i].tokens.size());
       row += n;
       selected.insert(selected.end(), h.begin() + (row - 1) * hidden, h.begin() + row * hidden);
       ++out_rows;
-      AppendRowRun(&head_plan, 1, RowKindForRows(n));
+      AppendEntryRows(&head_plan, prefill_rows[i], n - 1, 1);
     }
   }
   EXL3_RETURN_IF_ERROR(kernels::RmsNorm(selected.data(), out_rows, hidden, final_norm_.data(),

@@ -136,9 +136,11 @@ class Transformer {
   // the cache lacks; ResourceExhausted when the cache has no room (pages
   // reserved for earlier entries stay reserved); errors of the kernels.
   // On error no sequence's committed length changes. Precision: each
-  // entry's rows run every EXL3 linear at the precision the entry would get
-  // alone (linear.h RowKind: decode precision below kPrefillMinRows tokens,
-  // prefill precision from there), also through MoE experts and the head,
+  // entry's rows run every EXL3 linear at their kind (linear.h RowKind: by
+  // position when the entry carries its prompt length — prompt rows prefill,
+  // output rows decode, PrefillRowsOfEntry — else by the entry's size:
+  // decode precision below kPrefillMinRows tokens, prefill from there),
+  // also through MoE experts and the head,
   // so with int8 decode a decode-kind entry's logits are bit for bit those
   // of the entry alone whatever shares the step (a prefill-kind entry's too
   // when it is the step's only one: fp32/bf16 sums depend on a call's row

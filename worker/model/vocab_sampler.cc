@@ -575,4 +575,11 @@ absl::Status VocabSampler::Sample(std::span<const SampleRow> rows, float* slice_
   return absl::OkStatus();
 }
 
+std::vector<SequenceTokens> VocabSampler::WithPromptLengths(
+    std::span<const SequenceTokens> batch) const {
+  std::vector<SequenceTokens> entries(batch.begin(), batch.end());
+  for (SequenceTokens& entry : entries) entry.prompt_len = PromptLen(entry.seq_id);
+  return entries;
+}
+
 }  // namespace exl3serve::worker

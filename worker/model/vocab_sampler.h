@@ -50,6 +50,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "worker/api/step_executor.h"
 #include "worker/comm/communicator.h"
 #include "worker/model/sampler.h"
 
@@ -82,6 +83,14 @@ class VocabSampler {
   // Forgets the sequence; no-op for an unknown id.
   void RemoveSequence(int64_t seq_id);
   bool HasSequence(int64_t seq_id) const { return seqs_.contains(seq_id); }
+  // The sequence's SequenceSampling::prompt_len; -1 when unknown.
+  int64_t PromptLen(int64_t seq_id) const {
+    const auto it = seqs_.find(seq_id);
+    return it == seqs_.end() ? -1 : it->second.prompt_len;
+  }
+  // A copy of `batch` whose entries carry their sequence's prompt length
+  // (SequenceTokens::prompt_len: each row's precision by position).
+  std::vector<SequenceTokens> WithPromptLengths(std::span<const SequenceTokens> batch) const;
   // Appends tokens the model consumed for the sequence (no-op when unknown).
   void Observe(int64_t seq_id, std::span<const int32_t> tokens);
   // Undoes Observe of the sequence's last tokens, which were `tokens` (the

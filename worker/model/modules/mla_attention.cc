@@ -182,12 +182,18 @@ absl::Status MlaAttention::Attend(const StepBatch& step, const float* a, PagedKv
     std::vector<float> latent(static_cast<size_t>(end * dc)), rope_key(static_cast<size_t>(end * r));
     cache->Read(seq, kv_layer_, 0, end, latent.data(), rope_key.data());
     float* ob = out + row0 * nh * vd;
-    if (count >= kPrefillMinRows) {
+    // Prefill-kind rows [0, expanded) attend in the expanded form, the
+    // decode-kind rest in the absorbed one (module.h prefill_rows): a row's
+    // form follows its kind, never what else shares the forward.
+    const int64_t expanded = step.prefill_rows[b];
+    if (expanded > 0) {
       // Prefill: keys [nope | k_pe] and values of every head from kv_b.
-      std::vector<float> kv(static_cast<size_t>(end * nh * (n + vd)));
-      EXL3_RETURN_IF_ERROR(kv_b_.Forward(latent.data(), end, kv.data()));
-      std::vector<std::vector<float>> scratch(pool.size(), std::vector<float>(end));
-      pool.ParallelFor(count * nh, 0, [&](int64_t task, int worker) {
+      const int64_t seen = start + expanded;  // positions the expanded rows see
+      std::vector<float> kv(static_cast<size_t>(seen * nh * (n + vd)));
+      const RowRun keys_plan{seen, RowKind::kPrefill};  // the expanded form's precision
+      EXL3_RETURN_IF_ERROR(kv_b_.Forward(latent.data(), seen, kv.data(), {&keys_plan, 1}));
+      std::vector<std::vector<float>> scratch(pool.size(), std::vector<float>(seen));
+      pool.ParallelFor(expanded * nh, 0, [&](int64_t task, int worker) {
         const int64_t i = task / nh, head = task % nh;
         const int64_t visible = start + i + 1;
         const float* qh = qb + (i * nh + head) * qd;
@@ -215,7 +221,8 @@ absl::Status MlaAttention::Attend(const StepBatch& step, const float* a, PagedKv
           for (int64_t d = 0; d < vd; ++d) o[d] += w * vj[d];
         }
       });
-    } else {
+    }
+    if (expanded < count) {
       // Absorbed decode (architectures.md §2.2 step 5): q_lat = W_UKᵀ q_nope
       // attends over [c_kv | k_pe] with [q_lat | q_pe]; the weighted latent
       // goes through W_UV. Each (token, head) alone: a row's result does not
@@ -234,8 +241,8 @@ absl::Status MlaAttention::Attend(const StepBatch& step, const float* a, PagedKv
         s.q.resize(dc + r);
         s.o.resize(dc + r);
       }
-      pool.ParallelFor(count * nh, 0, [&](int64_t task, int worker) {
-        const int64_t i = task / nh, head = task % nh;
+      pool.ParallelFor((count - expanded) * nh, 0, [&](int64_t task, int worker) {
+        const int64_t i = expanded + task / nh, head = task % nh;
         const float* qh = qb + (i * nh + head) * qd;
         const float* w = kv_b_.dense_weight() + head * (n + vd) * dc;  // [n + vd][dc]
         Scratch& s = scratch[worker];

@@ -4,7 +4,7 @@
 //
 //   c_kv = RMSNorm(t[0:dc]), k_pe = RoPE(t[dc:dc+r]), t = a·W_kvaᵀ   (cached per position)
 //   q = (RMSNorm(a·W_qaᵀ))·W_qbᵀ   or a·W_qᵀ (q_lora_rank 0), [nope | rope] per head
-//   prefill (an entry of >= kPrefillMinRows tokens): keys [c_kv·W_UKᵀ | k_pe], values c_kv·W_UVᵀ
+//   prefill-kind rows (linear.h PrefillRowsOfEntry): keys [c_kv·W_UKᵀ | k_pe], values c_kv·W_UVᵀ
 //   decode: absorbed — q_lat = W_UKᵀ q_nope attends over [c_kv | k_pe], W_UV after
 //   out = o·Woᵀ (this rank's heads: a partial sum over the ranks)
 //

@@ -63,6 +63,11 @@ struct StepBatch {
   std::span<const int64_t> starts;
   int64_t total = 0;            // rows (new tokens) in all
   std::span<const RowRun> plan;  // each entry's rows at its kind (linear.h)
+  // Per entry, how many of its leading rows are prefill-kind
+  // (linear.h PrefillRowsOfEntry; the rest are decode-kind): what `plan`
+  // is made of, for modules whose arithmetic beyond the linears follows the
+  // kind (MLA's expanded or absorbed attention).
+  std::span<const int64_t> prefill_rows;
   StepScratch* scratch = nullptr;
 };
 
