@@ -68,10 +68,12 @@ namespace sampling_internal {
 double SumExpShiftedScalar(const float* x, int64_t n, float m, float inv_t);
 double SumExpShiftedAvx2(const float* x, int64_t n, float m, float inv_t);
 SliceMax MaxOfSliceScalar(const float* x, int64_t n);
-// The block helpers both twins share.
+// The block helpers both twins share. PairwiseSum8 has internal linkage:
+// each twin's translation unit (the AVX2 one is built with its own ISA
+// flags) keeps its own copy instead of the linker picking one for both.
 int64_t FindCumulativeInBlock(const float* e, int64_t base, int count, double before,
                               double target, int64_t* last);
-inline double PairwiseSum8(const float* e) {
+static inline double PairwiseSum8(const float* e) {
   return ((static_cast<double>(e[0]) + e[1]) + (static_cast<double>(e[2]) + e[3])) +
          ((static_cast<double>(e[4]) + e[5]) + (static_cast<double>(e[6]) + e[7]));
 }
