@@ -1,4 +1,5 @@
 // `exl3serve convert`: HF model directory -> EXL3 model directory.
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -93,6 +94,10 @@ CommandRunner RegisterConvertCommand(CLI::App& app) {
       std::fprintf(stderr, "calibration: %lld tokens captured\n",
                    static_cast<long long>(hessians->tokens()));
       opt->hessians = hessians.get();
+      opt->calibration_rows = static_cast<int64_t>(sequences.size());
+      for (const auto& seq : sequences) {
+        opt->calibration_cols = std::max<int64_t>(opt->calibration_cols, seq.size());
+      }
     }
     kernels::ParseCodebookName(*codebook, &opt->codebook);
     opt->out_scales = *out_scales == "never"  ? sharding::OutScalesMode::kNever

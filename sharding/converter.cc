@@ -851,7 +851,7 @@ absl::Status Converter::Compile(ConvertReport* report) {
       {"version", std::string(kFormatVersion)},
       {"bits", std::round(report->bits_achieved * 100.0) / 100.0},
       {"head_bits", opt_.head_bits},
-      {"calibration", {{"rows", 0}, {"cols", 0}}},
+      {"calibration", {{"rows", opt_.calibration_rows}, {"cols", opt_.calibration_cols}}},
       {"out_scales", std::string(OutScalesName(opt_.out_scales))},
       {"codebook", std::string(kernels::CodebookName(opt_.codebook))}};
   nlohmann::ordered_json qc_file = qc;

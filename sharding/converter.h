@@ -68,6 +68,11 @@ struct ConvertOptions {
   uint64_t max_shard_bytes = static_cast<uint64_t>(kDefaultShardSizeMiB) << 20;  // per file
   bool show_progress = true;       // progress bar on a terminal, log lines otherwise
   HessianProvider* hessians = nullptr;  // borrowed; may be null
+  // The calibration data behind `hessians`, recorded in
+  // quantization_config.json as "calibration": {"rows", "cols"} (sequences,
+  // tokens in the longest; §2.2). 0 and 0 without calibration.
+  int64_t calibration_rows = 0;
+  int64_t calibration_cols = 0;
 };
 
 // What happened to one linear.

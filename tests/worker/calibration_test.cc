@@ -4,7 +4,10 @@
 #include "worker/model/calibration.h"
 
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -175,9 +178,23 @@ TEST(CalibrationTest, CalibratedConversionLowersOutputError) {
   sharding::ConvertOptions calibrated = plain;
   calibrated.out_dir = dir.File("calibrated");
   calibrated.hessians = hessians->get();
+  calibrated.calibration_rows = 8;
+  calibrated.calibration_cols = 64;
   ASSERT_TRUE(sharding::ConvertModel(plain).ok());
   auto report = sharding::ConvertModel(calibrated);
   ASSERT_TRUE(report.ok()) << report.status();
+  // quantization_config.json records the calibration (rows = sequences,
+  // cols = tokens per sequence), and 0 x 0 without it.
+  auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string with_calib = read(dir.File("calibrated") + "/quantization_config.json");
+  const std::string without_calib = read(dir.File("plain") + "/quantization_config.json");
+  EXPECT_NE(with_calib.find("\"calibration\": {\n        \"rows\": 8,\n        \"cols\": 64"),
+            std::string::npos) << with_calib;
+  EXPECT_NE(without_calib.find("\"rows\": 0,\n        \"cols\": 0"), std::string::npos)
+      << without_calib;
 
   const auto held_out = RandomSequences(1, 200, 99)[0];
   const std::vector<double> x = Layer0Inputs(dir.File("hf"), held_out);
