@@ -1,7 +1,9 @@
 // coordinator/local_engine.h — the serving engine (engine.h) over one
-// worker::StepExecutor: validation and tokenization at Submit, one scheduler
-// thread that runs the continuous-batching schedule (scheduler.h), sampling,
-// stop conditions, streaming detokenization and the responses.
+// worker::StepExecutor — in-process, local rank processes or remote ranks
+// alike: validation and tokenization at Submit, one scheduler thread that
+// runs the continuous-batching schedule (scheduler.h), stop conditions,
+// streaming detokenization and the responses. Tokens are drawn on the
+// ranks (worker/api/sampling.h), not here.
 //
 //   EngineOptions options;  options.model_dir = dir;  options.tensor_parallel = 2;
 //   EXL3_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, CreateLocalEngine(options));
@@ -14,12 +16,14 @@
 //
 // The scheduler thread owns every request once it left Submit's inbox. Each
 // iteration: take new requests and aborts from the inbox (mutex), Schedule(),
-// RemoveSequence / AddSequence, one Forward with LogitsRows::kLastToken (row
-// i is batch entry i's last token), then for each entry that needs logits:
-// sample with the request's own Sampler (seeded per request; penalties see
-// prompt + output), apply stop ids / EOS / max_tokens / stop strings, stream
-// a chunk, or complete. Responses are delivered on this thread; callbacks
-// must not block (engine.h). When idle it waits on a condition variable.
+// RemoveSequence / AddSampledSequence (a request's sampling parameters, seed
+// and prompt length travel once, at admission; the ranks' samplers apply
+// penalties over prompt + output and choose each row's precision by its
+// position), disk-tier and snapshot transfers, then one ForwardSampled: each
+// entry that needs a token gets the id the ranks drew. Then stop ids / EOS /
+// max_tokens / stop strings, stream a chunk, or complete. Responses are
+// delivered on this thread; callbacks must not block (engine.h). When idle
+// it waits on a condition variable.
 // With speculative decoding (EngineOptions::speculative) each decoding
 // sequence first proposes draft tokens (ProposeDrafts), a step with drafts
 // runs ForwardVerified instead, and each drafting sequence's verified run
