@@ -7,7 +7,7 @@
 //   ... draft k tokens, verify, accepted = how many matched ...
 //   length.Observe(k, accepted);
 //
-// Rules (shared/docs/architectures.md §3.1):
+// Rules:
 //   a = accepted, plus 1 when the whole window was accepted (the window
 //       censors acceptance: a full accept says "at least this many");
 //   the first observed window sets ema = a; after that

@@ -1,5 +1,5 @@
 // sharding/exl3_format.h — constants fixed by the EXL3 checkpoint format
-// (shared/docs/exl3-format.md; section numbers in brackets). Nothing here is
+// (docs/FORMAT.md; section numbers in brackets). Nothing here is
 // tunable: changing a value breaks compatibility with exllamav3 files.
 #ifndef EXL3SERVE_SHARDING_EXL3_FORMAT_H_
 #define EXL3SERVE_SHARDING_EXL3_FORMAT_H_

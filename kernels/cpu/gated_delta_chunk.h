@@ -1,5 +1,5 @@
 // kernels/cpu/gated_delta_chunk.h — the gated delta rule of one value head
-// (Gated DeltaNet, ../shared/docs/arch-gated-deltanet.md §2.4) in its chunked
+// (Gated DeltaNet, arXiv 2412.06464; docs/design/worker.md) in its chunked
 // form, the form every path of the model runs (prefill, decode, verification).
 //
 // The recurrence, per token with normalised q̂ (scaled), k̂, value v, gate

@@ -1,6 +1,6 @@
 // kernels/cpu/gated_delta_rule.h — the gated delta rule of one value head
 // over a run of tokens in its recurrent form (Gated DeltaNet,
-// ../shared/docs/arch-gated-deltanet.md §2.4), in place on its fp32 state
+// arXiv 2412.06464; docs/design/worker.md), in place on its fp32 state
 // S [dk][dv]. The model runs the chunked form (gated_delta_chunk.h); this one
 // is the token-by-token reference the tests and gdn_bench compare it with:
 //

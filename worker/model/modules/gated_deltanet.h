@@ -1,5 +1,5 @@
 // worker/model/modules/gated_deltanet.h — Gated DeltaNet linear attention
-// (Qwen3-Next, Qwen3.5 / 3.6 / 3.8; ../shared/docs/arch-gated-deltanet.md §2):
+// (Qwen3-Next, Qwen3.5 / 3.6 / 3.8; Hugging Face transformers' qwen3_next modeling):
 // a token mixer whose per-sequence state is a fixed-size recurrent state
 // instead of a growing KV cache.
 //
