@@ -23,6 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/cleanup/cleanup.h"
 #include "gtest/gtest.h"
@@ -797,6 +798,7 @@ class ReformingExecutor final : public worker::StepExecutor {
   }
   absl::Status Forward(std::span<const worker::SequenceTokens> batch, worker::LogitsRows rows,
                        std::vector<float>* logits) override {
+    WaitIfHeld();
     if (!dead_ && left_-- <= 0) dead_ = true;
     return dead_ ? Dead() : inner_->Forward(batch, rows, logits);
   }
@@ -806,6 +808,7 @@ class ReformingExecutor final : public worker::StepExecutor {
   absl::Status ForwardSampled(std::span<const worker::SequenceTokens> batch,
                               std::span<const uint8_t> sample,
                               std::vector<worker::SampledToken>* tokens) override {
+    WaitIfHeld();
     if (!dead_ && left_-- <= 0) dead_ = true;
     return dead_ ? Dead() : inner_->ForwardSampled(batch, sample, tokens);
   }
@@ -813,6 +816,7 @@ class ReformingExecutor final : public worker::StepExecutor {
                                std::span<const uint8_t> sample,
                                std::span<const int32_t> draft_counts,
                                std::vector<std::vector<worker::SampledToken>>* runs) override {
+    WaitIfHeld();
     if (!dead_ && left_-- <= 0) dead_ = true;
     return dead_ ? Dead() : inner_->ForwardVerified(batch, sample, draft_counts, runs);
   }
@@ -826,8 +830,19 @@ class ReformingExecutor final : public worker::StepExecutor {
   }
   void AllowRecovery() { recoverable_.store(true); }
   int recoveries() const { return recoveries_.load(); }
+  // After HoldForwards() (before the engine starts), every forward waits for
+  // ReleaseForwards(): a test submits all its requests before the first step.
+  void HoldForwards() { held_ = true; }
+  void ReleaseForwards() {
+    if (!released_.HasBeenNotified()) released_.Notify();
+  }
 
  private:
+  void WaitIfHeld() {
+    if (held_) released_.WaitForNotification();
+  }
+  bool held_ = false;  // set before the engine's thread exists
+  absl::Notification released_;
   static absl::Status Dead() { return absl::UnavailableError("rank 1 (pid 4242) exited"); }
   void Fresh() {
     worker::KvCacheOptions kv = kv_;
@@ -878,12 +893,17 @@ TEST_F(LocalEngineTest, ABrokenEngineIsReadyAgainOnceTheGroupReforms) {
   EngineModel m = TestModelFacts();
   auto owned = std::make_unique<ReformingExecutor>(options.kv, 3, /*recoverable=*/false);
   ReformingExecutor* executor = owned.get();
+  // All four are in before the first step (the group dies at the third, and
+  // a broken engine refuses new requests).
+  executor->HoldForwards();
   auto engine = std::make_unique<LocalEngine>(options, std::move(m), std::move(owned));
+  absl::Cleanup release = [executor] { executor->ReleaseForwards(); };  // also on failure
   std::vector<std::unique_ptr<Stream>> streams;
   for (int i = 0; i < 4; ++i) {
     streams.push_back(std::make_unique<Stream>());
     ASSERT_TRUE(engine->Submit(Request(Prompt(4, i), 30), streams.back()->Callback()).ok());
   }
+  std::move(release).Invoke();
   for (auto& s : streams) {
     v1::GenerateResponse r = s->Wait();
     ASSERT_TRUE(r.has_error()) << r.DebugString();
